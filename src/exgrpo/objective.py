@@ -1,0 +1,191 @@
+"""The ExGRPO objective as pure functions over tensors (spec §4).
+
+Shapes: G groups of K members; B sequences (B = G*K in a full batch, any subset in a mini-batch); T the padded
+completion length. ``mask`` is 1 on a sequence's completion tokens; ``replay_mask`` is 1 on replayed tokens.
+
+Per token:
+* fresh tokens, warm-up phase:  -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A),  r = exp(logp - old_logp)
+* fresh tokens, mixed phase:    -A*r  (unclipped, as released; ``clip_fresh=True`` keeps PPO clipping)
+* replayed tokens:              -A*f(w),  f(w) = w / (w + beta),  w = exp(logp - recorded_logp), never clipped
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+AGGREGATIONS = ("sum_constant", "token_mean", "seq_mean_token_mean")
+ADVANTAGE_SCALES = ("none", "group")
+
+
+def group_advantages(rewards: torch.Tensor, scale: str = "none", eps: float = 1e-4) -> torch.Tensor:
+    """Group-relative advantages.
+
+    Args:
+        rewards: (G, K) rewards of G groups of K members.
+        scale: "none" gives R - mean (released default); "group" gives (R - mean) / (std + eps).
+    Returns:
+        (G, K) advantages; a group whose rewards are all equal gets 0.
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be (num_groups, K), got shape {tuple(rewards.shape)}")
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    if scale == "none":
+        return centred
+    if scale == "group":
+        return centred / (rewards.std(dim=1, keepdim=True) + eps)
+    raise ValueError(f"unknown advantage scale {scale!r}; expected one of {ADVANTAGE_SCALES}")
+
+
+def policy_shaping(w: torch.Tensor, beta: float = 0.1) -> torch.Tensor:
+    """f(w) = w / (w + beta): damps large importance weights and lifts small ones (spec §4.2)."""
+    return w / (w + beta)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    clip_fresh: bool = True  # PPO clipping of fresh tokens (the trainer turns it off in the mixed phase)
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    beta: float = 0.1  # policy-shaping constant; None-like behaviour is `shaping=False`
+    shaping: bool = True  # False replays with the plain ratio w (ablation)
+    aggregation: str = "sum_constant"
+    normalizer: float = 8192.0  # the constant of "sum_constant" (released: max completion length)
+    entropy_coef: float = 0.001
+    kl_coef: float = 0.0
+
+
+def token_losses(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    recorded_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    replay_mask: torch.Tensor,
+    settings: LossSettings,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token policy-gradient losses (B, T) and the per-token quantities behind them.
+
+    Args:
+        logp: (B, T) log-probs of the taken tokens under the policy being optimised.
+        old_logp: (B, T) log-probs under the policy before this step's update (fresh tokens' ratio).
+        recorded_logp: (B, T) behaviour log-probs recorded at collection (replayed tokens' ratio).
+        advantages: (B,) one advantage per sequence.
+        replay_mask: (B, T) bool, True on replayed tokens.
+    """
+    adv = advantages.unsqueeze(-1)
+    ratio = torch.exp(logp - old_logp)
+    if settings.clip_fresh:
+        clipped = torch.clamp(ratio, 1 - settings.epsilon_low, 1 + settings.epsilon_high)
+        fresh = -torch.min(ratio * adv, clipped * adv)
+    else:
+        fresh = -ratio * adv
+    w = torch.exp(logp - recorded_logp)
+    shaped = policy_shaping(w, settings.beta) if settings.shaping else w
+    replay = -shaped * adv
+    losses = torch.where(replay_mask, replay, fresh)
+    return losses, {"ratio": ratio, "w": w, "shaped": shaped}
+
+
+def aggregate(
+    token_values: torch.Tensor, mask: torch.Tensor, settings: LossSettings,
+    total_tokens: float | None = None, total_sequences: float | None = None,
+) -> torch.Tensor:
+    """Reduce (B, T) token values to a scalar.
+
+    sum_constant: sum / normalizer (Dr.GRPO-style, released default; micro-batch results add up exactly).
+    token_mean: sum / total_tokens. seq_mean_token_mean: sum of per-sequence token means / total_sequences.
+    total_tokens / total_sequences are those of the whole mini-batch when it is split into micro-batches for
+    gradient accumulation (default: this batch's), so that accumulated gradients equal the unsplit ones.
+    """
+    mask = mask.to(token_values.dtype)
+    if settings.aggregation == "sum_constant":
+        return (token_values * mask).sum() / settings.normalizer
+    if settings.aggregation == "token_mean":
+        denominator = mask.sum() if total_tokens is None else total_tokens
+        return (token_values * mask).sum() / max(float(denominator), 1.0)
+    if settings.aggregation == "seq_mean_token_mean":
+        per_seq = (token_values * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        denominator = mask.shape[0] if total_sequences is None else total_sequences
+        return per_seq.sum() / max(float(denominator), 1.0)
+    raise ValueError(f"unknown loss aggregation {settings.aggregation!r}; expected one of {AGGREGATIONS}")
+
+
+def mixed_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    recorded_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    replay_mask: torch.Tensor,
+    settings: LossSettings,
+    entropy: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    total_tokens: float | None = None,
+    total_sequences: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The ExGRPO loss of a (micro-)batch and detached statistics.
+
+    Args:
+        logp, old_logp, recorded_logp: (B, T) as in `token_losses`.
+        advantages: (B,).
+        mask: (B, T) 1 on completion tokens.
+        replay_mask: (B, T) bool, True on replayed tokens (a subset of mask).
+        entropy: (B, T) current-policy token entropies, for the bonus -entropy_coef * token-mean entropy.
+        ref_logp: (B, T) reference log-probs for the k3 KL penalty (kl_coef > 0).
+        total_tokens / total_sequences: mini-batch totals when this is one micro-batch of it. The entropy
+            bonus is a token mean over the whole mini-batch (released: per micro-batch, summed; spec §4.3).
+    Returns:
+        (loss scalar with grad, stats of plain floats).
+    """
+    mask = mask.to(logp.dtype)
+    replay_mask = replay_mask.bool() & mask.bool()
+    fresh_mask = mask * (~replay_mask).to(mask.dtype)
+    losses, parts = token_losses(logp, old_logp, recorded_logp, advantages, replay_mask, settings)
+    loss = aggregate(losses, mask, settings, total_tokens, total_sequences)
+    n_tokens = mask.sum() if total_tokens is None else torch.tensor(float(total_tokens))
+    entropy_mean = None
+    if entropy is not None and settings.entropy_coef:
+        entropy_mean = (entropy * mask).sum() / n_tokens.clamp(min=1)
+        loss = loss - settings.entropy_coef * entropy_mean
+    kl = None
+    if settings.kl_coef:
+        if ref_logp is None:
+            raise ValueError("kl_coef > 0 needs reference log-probs (ref_logp)")
+        delta = ref_logp - logp
+        kl = torch.exp(delta) - delta - 1  # k3 estimator, >= 0
+        loss = loss + settings.kl_coef * aggregate(kl, mask, settings, total_tokens, total_sequences)
+    return loss, _stats(parts, advantages, mask, fresh_mask, replay_mask, settings, entropy, kl)
+
+
+@torch.no_grad()
+def _stats(parts, advantages, mask, fresh_mask, replay_mask, settings, entropy, kl) -> dict[str, float]:
+    ratio, w, shaped = parts["ratio"], parts["w"], parts["shaped"]
+    stats: dict[str, float] = {"fresh_tokens": float(fresh_mask.sum()), "replay_tokens": float(replay_mask.sum())}
+    fresh = fresh_mask.bool()
+    if fresh.any():
+        r = ratio[fresh]
+        adv = advantages.unsqueeze(-1).expand_as(ratio)[fresh]
+        low = (r < 1 - settings.epsilon_low) & (adv < 0)
+        high = (r > 1 + settings.epsilon_high) & (adv > 0)
+        stats.update({
+            "ratio/mean": float(r.mean()), "ratio/min": float(r.min()), "ratio/max": float(r.max()),
+            "clip_ratio/low_mean": float(low.float().mean()) if settings.clip_fresh else 0.0,
+            "clip_ratio/high_mean": float(high.float().mean()) if settings.clip_fresh else 0.0,
+            "clip_ratio/region_mean": float((low | high).float().mean()) if settings.clip_fresh else 0.0,
+        })
+    if replay_mask.any():
+        wr = w[replay_mask]
+        stats.update({
+            "replay/ratio_mean": float(wr.mean()), "replay/ratio_min": float(wr.min()),
+            "replay/ratio_max": float(wr.max()), "replay/shaped_weight_mean": float(shaped[replay_mask].mean()),
+        })
+    if entropy is not None:
+        stats["entropy"] = float(masked_mean(entropy, mask))
+    if kl is not None:
+        stats["kl"] = float(masked_mean(kl, mask))
+    return stats
