@@ -1,0 +1,5 @@
+import sys
+
+from exgrpo.cli import main
+
+sys.exit(main())

@@ -1,0 +1,336 @@
+"""The typed configuration of a run: one YAML file, dotted command-line overrides, errors that name the field.
+
+Names follow TRL where they overlap (num_generations, max_completion_length, temperature, epsilon, beta,
+learning_rate, scale_rewards); defaults follow the released ExGRPO run script (spec §7) unless a comment says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be honoured; the message names the field."""
+
+
+@dataclass
+class LoraConfig:
+    r: int = 32
+    alpha: int = 64
+    dropout: float = 0.0
+    target_modules: str = "all-linear"
+
+
+@dataclass
+class ModelConfig:
+    name: str = "smollm2-135m-instruct"
+    """HF hub id, local directory, or a built-in preset: smollm2-135m-instruct, tiny, tiny:<seed>."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    lora: LoraConfig | None = None
+    """LoRA adapters (peft) instead of full fine-tuning; null for full fine-tuning."""
+
+
+@dataclass
+class DataConfig:
+    train: str = "reasoning_gym:basic_arithmetic?size=500&seed=1"
+    """Training questions: parquet/jsonl file or directory, HF dataset name, or reasoning_gym:<task>?options."""
+    split: str = "train"
+    limit: int | None = None
+    holdout: int = 0
+    """Questions taken out of `train` (disjoint by content) for held-out evaluation."""
+    eval: str | None = None
+    """A separate held-out set (same formats as `train`); never the benchmark test set by default (spec §9.16)."""
+    prompt_suffix: str = ""
+    remove_system: bool = False
+    system_prompt: str | None = None
+    think_prefix: str = ""
+    skip_invalid: bool = False
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["hf"] = "hf"
+    num_generations: int = 8
+    max_completion_length: int = 8192
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables top-k."""
+    generation_batch_size: int = 256
+    """Sequences per generate call (memory bound)."""
+
+
+@dataclass
+class RewardConfig:
+    grader: Literal["math", "choice", "reasoning_gym"] = "math"
+    think_gate: bool = False
+    """Answer = text after the first </think>; missing </think> scores 0 (released training reward: true)."""
+    workers: int = 2
+    """Grading processes; 0 grades in the training process."""
+    timeout: float = 5.0
+    success_threshold: float = 1.0
+    """A rollout counts as correct (for k, buckets, retirement, Pass@1) when its reward >= this."""
+
+
+@dataclass
+class ObjectiveConfig:
+    scale_rewards: Literal["none", "group"] = "none"
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    clip_after_switch: bool = False
+    """PPO-clip fresh tokens in the mixed phase too (released: unclipped after the switch)."""
+    beta: float = 0.1
+    """Policy-shaping constant of f(w) = w / (w + beta) for replayed tokens."""
+    policy_shaping: bool = True
+    """False replays with the plain importance ratio w (ablation)."""
+    aggregation: Literal["sum_constant", "token_mean", "seq_mean_token_mean"] = "sum_constant"
+    normalizer: float | None = None
+    """Constant of sum_constant aggregation; null means max_completion_length (released)."""
+    entropy_coef: float = 0.001
+    kl_coef: float = 0.0
+
+
+@dataclass
+class ExperienceConfig:
+    ratio: float = 0.5
+    """Fraction of each batch's questions drawn from the buffer; 0 gives plain GRPO."""
+    start_threshold: float = 0.35
+    """Switch to the mixed phase once batch Pass@1 > this (strict)."""
+    bucket_scheme: Literal["normal", "linear", "sqrt", "linear_clip", "uniform"] = "normal"
+    bucket_sigma: float = 1.0
+    bucket_mean: float | None = None
+    """Centre of the normal scheme in success counts; null means K/2."""
+    selection_metric: Literal["entropy", "entropy_sum", "perplexity", "random"] = "entropy"
+    selection_mode: Literal["argmin", "argmax"] = "argmin"
+    importance_correction: bool = True
+    """Replay ratio against the recorded behaviour log-probs (released exp_is_correct)."""
+    lbound: int = 0
+    rbound: int | None = None
+    max_trajectories_per_question: int | None = None
+    max_questions: int | None = None
+    selection_batch_size: int = 32
+    """Candidates per no-grad scoring forward."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 700
+    prompts_per_step: int = 128
+    mini_batches: int = 2
+    """Optimizer steps per training step (released: 2 mini-batches of 64 questions)."""
+    micro_batch_size: int = 64
+    """Sequences per forward/backward; gradients accumulate over a mini-batch."""
+    learning_rate: float = 1e-6
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    skip_grad_norm: float = 500.0
+    """Skip the update when the grad norm is non-finite or above this."""
+    seed: int = 47
+    threads: int = 0
+    """torch CPU threads; 0 leaves torch's default."""
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0
+    """Held-out evaluation every N steps (0: only where the command asks, e.g. before/after in the demo)."""
+    samples: int = 4
+    temperature: float = 1.0
+    max_questions: int | None = None
+
+
+@dataclass
+class LoggingConfig:
+    output_dir: str = "runs/exgrpo"
+    tensorboard: bool = True
+    wandb: bool = False
+    sample_every: int = 10
+    """Log example completions every N steps (0: never)."""
+    progress: bool = True
+
+
+@dataclass
+class ExGRPOConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    experience: ExperienceConfig = field(default_factory=ExperienceConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def validate(cfg: ExGRPOConfig) -> None:
+    """Cross-field checks; each error names the fields."""
+    K = cfg.rollout.num_generations
+    checks = [
+        (K >= 2, f"rollout.num_generations must be >= 2 (got {K})"),
+        (0.0 <= cfg.experience.ratio <= 1.0, f"experience.ratio must be in [0, 1] (got {cfg.experience.ratio})"),
+        (cfg.train.prompts_per_step >= 1, "train.prompts_per_step must be >= 1"),
+        (cfg.train.mini_batches >= 1, "train.mini_batches must be >= 1"),
+        (cfg.train.prompts_per_step % cfg.train.mini_batches == 0,
+         f"train.prompts_per_step ({cfg.train.prompts_per_step}) must be divisible by train.mini_batches "
+         f"({cfg.train.mini_batches}): each mini-batch holds whole groups"),
+        (cfg.train.micro_batch_size >= 1, "train.micro_batch_size must be >= 1"),
+        (cfg.rollout.max_completion_length >= 1, "rollout.max_completion_length must be >= 1"),
+        (cfg.rollout.temperature > 0, "rollout.temperature must be > 0 (sampling is required for GRPO groups)"),
+        (0 < cfg.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]"),
+        (cfg.objective.beta > 0, "objective.beta must be > 0"),
+        (cfg.train.learning_rate > 0, "train.learning_rate must be > 0"),
+        (cfg.experience.rbound is None or cfg.experience.lbound < cfg.experience.rbound <= K - 1,
+         f"experience.lbound < experience.rbound <= num_generations-1 ({K - 1}) must hold"),
+        (cfg.reward.timeout > 0, "reward.timeout must be > 0"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+
+# ---------------------------------------------------------------- building from dicts, YAML, overrides
+def _resolve(tp: Any) -> tuple[Any, bool]:
+    """(inner type, optional?) of a field annotation."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return (args[0] if len(args) == 1 else tp), len(args) < len(typing.get_args(tp))
+    return tp, False
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    inner, optional = _resolve(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{where}: null is not allowed (expected {_describe(inner)})")
+    if dataclasses.is_dataclass(inner):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping of {sorted(f.name for f in dataclasses.fields(inner))}")
+        return _build(inner, value, where)
+    if typing.get_origin(inner) is Literal:
+        allowed = typing.get_args(inner)
+        if value not in allowed:
+            raise ConfigError(f"{where}: {value!r} is not allowed; expected one of {list(allowed)}")
+        return value
+    if inner is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if inner is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        try:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
+    if inner is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+    if inner is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported type {tp}")
+
+
+def _describe(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return f"one of {list(typing.get_args(tp))}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _build(cls, values: dict, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        raise ConfigError(f"unknown config field '{where}'; allowed fields{' of ' + prefix if prefix else ''}: {sorted(names)}")
+    kwargs = {name: _coerce(v, hints[name], f"{prefix}.{name}" if prefix else name) for name, v in values.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # pragma: no cover - all fields have defaults
+        raise ConfigError(f"{prefix or 'config'}: {e}") from None
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(f"override '{dotted}': '{key}' is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
+    """Accept `key.sub=value`, `--key.sub=value` and `--key.sub value`; values are parsed as YAML scalars."""
+    pairs, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        key = arg[2:] if arg.startswith("--") else arg
+        if "=" in key:
+            key, raw = key.split("=", 1)
+        elif arg.startswith("--") and i + 1 < len(args):
+            i += 1
+            raw = args[i]
+        else:
+            raise ConfigError(f"override {arg!r} must look like section.field=value or --section.field value")
+        pairs.append((key, yaml.safe_load(raw) if raw != "" else ""))
+        i += 1
+    return pairs
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExGRPOConfig:
+    """Defaults, then the YAML file, then dotted overrides."""
+    tree: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+        tree = loaded or {}
+    for key, value in parse_overrides(overrides or []):
+        _set_dotted(tree, key, value)
+    try:
+        return _build(ExGRPOConfig, tree)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+
+
+def config_from_dict(values: dict) -> ExGRPOConfig:
+    return _build(ExGRPOConfig, values)

@@ -1,0 +1,89 @@
+"""Reward functions with TRL's signature, f(prompts, completions, completion_ids, **dataset_columns), and their sum."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from exgrpo.rewards.graders import grade_choice, grade_math
+from exgrpo.rewards.pool import GradingPool
+
+RewardFunc = Callable[..., list]
+
+
+class MathReward:
+    """Training reward (spec §6): math-verify against the `answer` column, 1.0 or 0.0."""
+
+    name = "math"
+
+    def __init__(self, think_gate: bool = False, pool: GradingPool | None = None):
+        self.think_gate = think_gate
+        self.pool = pool if pool is not None else GradingPool(num_workers=0)
+
+    def __call__(self, prompts: list, completions: list[str], completion_ids: list | None, *,
+                 answer: list[str], **columns: Any) -> list[float]:
+        return self.pool.grade(grade_math, completions, answer, think_gate=self.think_gate)
+
+
+class ChoiceReward:
+    """Multiple-choice reward: the chosen letter (see `grade_choice`) against the `answer` column."""
+
+    name = "choice"
+
+    def __init__(self, pool: GradingPool | None = None):
+        self.pool = pool if pool is not None else GradingPool(num_workers=0)
+
+    def __call__(self, prompts: list, completions: list[str], completion_ids: list | None, *,
+                 answer: list[str], **columns: Any) -> list[float]:
+        return self.pool.grade(grade_choice, completions, answer)
+
+
+def grade_reasoning_gym(completion: str, entry_json: str) -> float:
+    """reasoning-gym's own scorer for the task of a JSON-encoded entry (picklable for the grading pool)."""
+    from exgrpo.data import score_reasoning_gym
+
+    return score_reasoning_gym(completion, json.loads(entry_json))
+
+
+class ReasoningGymReward:
+    """reasoning-gym's scorer against the `rg_entry` column of questions from a `reasoning_gym:` source.
+
+    Some scorers give partial credit in [0, 1]; reward.success_threshold decides what counts as correct.
+    """
+
+    name = "reasoning_gym"
+
+    def __init__(self, pool: GradingPool | None = None):
+        self.pool = pool or GradingPool(num_workers=0)
+
+    def __call__(self, prompts: list, completions: list[str], completion_ids: list | None = None, *,
+                 rg_entry: list[dict] | None = None, **columns: Any) -> list[float]:
+        if rg_entry is None or any(e is None for e in rg_entry):
+            raise ValueError("reward.grader 'reasoning_gym' needs questions from a 'reasoning_gym:<task>' source")
+        return self.pool.grade(grade_reasoning_gym, completions, [json.dumps(e) for e in rg_entry])
+
+
+def combine_rewards(funcs: Sequence[RewardFunc], weights: Sequence[float], prompts: list, completions: list,
+                    completion_ids: list, columns: dict[str, list]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Weighted sum of reward functions, as TRL computes it: None means "no opinion" and is skipped (nansum).
+
+    Returns the total (N,) and each function's rewards (N,) by name, with None as NaN.
+    """
+    if len(weights) != len(funcs):
+        raise ValueError(f"{len(funcs)} reward functions but {len(weights)} weights")
+    n = len(completions)
+    per_func: dict[str, np.ndarray] = {}
+    for f in funcs:
+        name = getattr(f, "name", None) or f.__name__
+        if name in per_func:
+            raise ValueError(f"two reward functions are named {name!r}")
+        out = f(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        if not isinstance(out, (list, tuple, np.ndarray)) or len(out) != n:
+            got = f"{len(out)} rewards" if isinstance(out, (list, tuple, np.ndarray)) else type(out).__name__
+            raise ValueError(f"reward function {name!r} returned {got} for {n} completions")
+        per_func[name] = np.array([np.nan if r is None else r for r in out], dtype=np.float64)
+    stacked = np.stack(list(per_func.values())) if per_func else np.zeros((0, n))
+    total = np.nansum(stacked * np.asarray(weights, dtype=np.float64)[:, None], axis=0)
+    return total, per_func

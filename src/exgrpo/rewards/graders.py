@@ -1,0 +1,66 @@
+"""Answer graders: math-verify for math answers (spec §6) and a letter grader for multiple choice (ARC-c, GPQA)."""
+
+from __future__ import annotations
+
+import re
+import threading
+
+from math_verify import parse, verify
+
+_MV_TIMEOUT_S = 5  # math-verify's default parse and verify timeouts, which the released reward used
+
+
+def grade_math(completion: str, gold: str, think_gate: bool = False) -> float:
+    """1.0 if math-verify judges the completion's answer equal to `gold`, else 0.0 (released training reward).
+
+    With `think_gate`, a completion without "</think>" scores 0.0 and only the text after the first "</think>" is
+    graded. The "<think>" half of the released gate is implied: our prompts end with "<think>\\n".
+    Plain text is graded too: math-verify's expression fallback takes the last number in the text (but finds
+    none in "answer:12" or "(12)"; tests/test_rewards.py lists these grader gaps).
+    """
+    if think_gate:
+        if "</think>" not in completion:
+            return 0.0
+        completion = completion.split("</think>")[1]
+    # math-verify times out with SIGALRM, which only works on the main thread; elsewhere it would raise, so turn
+    # its timeouts off there and rely on the caller (GradingPool) to bound the time.
+    timeout = _MV_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    try:
+        gold_parsed = parse("$" + gold + "$", parsing_timeout=timeout)
+        answer_parsed = parse(completion, parsing_timeout=timeout)
+        return float(verify(gold_parsed, answer_parsed, timeout_seconds=timeout))
+    except Exception:
+        return 0.0
+
+
+_ANSWER_LINE = re.compile(r"answer\s*:\s*\(?\s*([a-z])\s*\)?\.?", re.IGNORECASE)
+# Wrappers a model puts around a boxed letter: \text{C}, \textbf{(C)}, \mathrm{C}, $C$.
+_LETTER_NOISE = re.compile(r"\\[A-Za-z]+|[{}()$.\s]")
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...}, with nested braces balanced; None if there is none."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None
+
+
+def grade_choice(completion: str, gold: str) -> float:
+    """1.0 if the chosen letter equals `gold` (case-insensitive), else 0.0.
+
+    The choice is the letter in the last \\boxed{...}; if that box holds no single letter (or there is none),
+    it is a last line of the form "ANSWER: X" (the GPQA prompt's format).
+    """
+    boxed = _last_boxed(completion)
+    letter = _LETTER_NOISE.sub("", boxed) if boxed is not None else ""
+    if not re.fullmatch(r"[A-Za-z]", letter):
+        lines = completion.strip().splitlines()
+        match = _ANSWER_LINE.fullmatch(lines[-1].strip()) if lines else None
+        letter = match.group(1) if match else ""
+    return float(letter != "" and letter.upper() == gold.strip().strip("()").upper())

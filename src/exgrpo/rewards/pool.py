@@ -1,0 +1,192 @@
+"""Grading in worker processes with a per-item timeout, so a hung or crashed grader costs one item, not the run."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable
+
+_START_TIMEOUT_S = 120.0  # a spawned worker imports sympy and math-verify before it reports ready
+
+Grader = Callable[..., float]
+
+
+def _call(grader: Grader, completion: str, gold: str, kwargs: dict[str, Any]) -> float:
+    """Grade one item; any exception scores 0.0."""
+    try:
+        return float(grader(completion, gold, **kwargs))
+    except Exception:
+        return 0.0
+
+
+def _serve(conn: Connection) -> None:
+    """Worker loop: reply to each (grader, completion, gold, kwargs) message with its score."""
+    conn.send(None)  # ready: imports are done, so the parent's item deadlines measure grading only
+    while True:
+        try:
+            message = conn.recv_bytes()
+        except EOFError:  # the pool closed its end
+            return
+        try:
+            grader, completion, gold, kwargs = pickle.loads(message)
+        except Exception as e:  # e.g. the grader's module is not importable here: a setup bug, not a 0 score
+            conn.send(f"a grading worker cannot load the grader: {e!r}")
+            continue
+        conn.send(_call(grader, completion, gold, kwargs))
+
+
+@dataclass
+class _Worker:
+    proc: subprocess.Popen
+    conn: Connection
+
+
+_WORKER_MAIN = "import sys; from multiprocessing.connection import Connection; " \
+               "from exgrpo.rewards.pool import _serve; _serve(Connection(int(sys.argv[1])))"
+
+
+def _spawn() -> _Worker:
+    # A fresh interpreter rather than multiprocessing's spawn, which re-imports the caller's __main__ and so
+    # re-runs any user script without an `if __name__ == "__main__"` guard. Fork would copy the trainer's threads.
+    parent_conn, child_conn = mp.Pipe()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # graders import as in the parent
+    proc = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, str(child_conn.fileno())],
+                            pass_fds=(child_conn.fileno(),), env=env, stdin=subprocess.DEVNULL)
+    child_conn.close()  # only the worker holds its end now, so its death shows up as EOF here
+    return _Worker(proc, parent_conn)
+
+
+def _wait_ready(worker: _Worker) -> None:
+    try:
+        if worker.conn.poll(_START_TIMEOUT_S) and worker.conn.recv() is None:
+            return
+    except EOFError:
+        pass
+    raise RuntimeError("a grading worker failed to start; see its traceback above")
+
+
+def _stop(workers: list[_Worker]) -> None:
+    for w in workers:
+        w.proc.kill()
+        w.proc.wait()
+        w.conn.close()
+    workers.clear()
+
+
+class GradingPool:
+    """Grades batches in `num_workers` spawned processes, started on first use and reused.
+
+    An item that runs past `timeout` seconds, or whose worker dies, scores 0.0 and the worker is replaced.
+    `num_workers=0` grades serially in-process, without the timeout. `stats` counts items ("graded", which
+    includes the failed ones), "timeouts" and "crashes" since creation; `pop_stats()` gives the counts since
+    its previous call. `grade` may be called from any thread.
+    """
+
+    def __init__(self, num_workers: int = 2, timeout: float = 5.0):
+        self.num_workers = num_workers
+        self.timeout = timeout
+        self.stats = {"graded": 0, "timeouts": 0, "crashes": 0}
+        self._popped = dict(self.stats)
+        self._workers: list[_Worker] = []
+        self._lock = threading.Lock()
+        self._finalizer: weakref.finalize | None = None
+
+    def grade(self, grader: Grader, completions: list[str], golds: list[str], **grader_kwargs: Any) -> list[float]:
+        """Scores of `grader(completion, gold, **grader_kwargs)`; `grader` must be a top-level function."""
+        if len(completions) != len(golds):
+            raise ValueError(f"{len(completions)} completions but {len(golds)} golds")
+        with self._lock:
+            if self.num_workers == 0:
+                scores = [_call(grader, c, g, grader_kwargs) for c, g in zip(completions, golds)]
+            else:
+                scores = self._grade_in_workers(grader, completions, golds, grader_kwargs)
+            self.stats["graded"] += len(scores)
+        return scores
+
+    def pop_stats(self) -> dict[str, int]:
+        """The `stats` counts since the previous pop_stats call."""
+        with self._lock:
+            window = {k: v - self._popped[k] for k, v in self.stats.items()}
+            self._popped = dict(self.stats)
+        return window
+
+    def close(self) -> None:
+        """Kill the workers; a later `grade` starts new ones."""
+        with self._lock:
+            if self._finalizer is not None:
+                self._finalizer()
+
+    def __enter__(self) -> GradingPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        self._workers[:] = [_spawn() for _ in range(self.num_workers)]
+        # Holds the worker list, not self, so it also runs at interpreter exit or when the pool is collected.
+        self._finalizer = weakref.finalize(self, _stop, self._workers)
+        try:
+            for w in self._workers:
+                _wait_ready(w)
+        except BaseException:
+            self._finalizer()
+            raise
+
+    def _replace(self, worker: _Worker) -> _Worker:
+        _stop([worker])
+        new = _spawn()
+        self._workers[self._workers.index(worker)] = new
+        _wait_ready(new)
+        return new
+
+    def _grade_in_workers(self, grader: Grader, completions: list[str], golds: list[str],
+                          kwargs: dict[str, Any]) -> list[float]:
+        if not self._workers:
+            self._start()
+        scores = [0.0] * len(completions)
+        todo, idle = deque(range(len(completions))), list(self._workers)
+        busy: dict[Connection, tuple[_Worker, int, float]] = {}  # conn -> (worker, item, deadline)
+        try:
+            while todo or busy:
+                while todo and idle:
+                    w, i = idle.pop(), todo.popleft()
+                    try:
+                        w.conn.send((grader, completions[i], golds[i], kwargs))
+                    except (BrokenPipeError, ConnectionResetError):  # died while idle (e.g. OOM-killed): retry
+                        todo.appendleft(i)
+                        idle.append(self._replace(w))
+                        continue
+                    busy[w.conn] = (w, i, time.monotonic() + self.timeout)
+                wait(list(busy), timeout=max(0.0, min(d for _, _, d in busy.values()) - time.monotonic()))
+                now = time.monotonic()
+                for conn, (w, i, deadline) in list(busy.items()):
+                    if conn.poll():
+                        del busy[conn]
+                        try:
+                            result = conn.recv()
+                        except EOFError:  # the worker died mid-item (segfault, os._exit, OOM kill)
+                            self.stats["crashes"] += 1
+                            idle.append(self._replace(w))
+                            continue
+                        if isinstance(result, str):
+                            raise RuntimeError(result)
+                        scores[i] = result
+                        idle.append(w)
+                    elif deadline <= now:
+                        del busy[conn]
+                        self.stats["timeouts"] += 1
+                        idle.append(self._replace(w))
+        except BaseException:
+            self._finalizer()  # busy workers' late replies would be read as the next call's scores; restart all
+            raise
+        return scores

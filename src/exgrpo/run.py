@@ -1,0 +1,72 @@
+"""Wiring a config into parts: model, questions, reward functions, trainer."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from exgrpo.config import ExGRPOConfig
+from exgrpo.data import Question, load_questions, render_prompt, split_holdout
+from exgrpo.evaluation import Accuracy, evaluate_accuracy
+from exgrpo.models import LoraSettings, load_policy
+from exgrpo.rewards import ChoiceReward, GradingPool, MathReward, ReasoningGymReward
+from exgrpo.rollout import SamplingSettings
+from exgrpo.trainer import ExGRPOTrainer
+
+
+@dataclass
+class Run:
+    config: ExGRPOConfig
+    trainer: ExGRPOTrainer
+    holdout: list[Question]
+    reward_funcs: list
+    grading_pool: GradingPool
+
+    def evaluate(self, seed_offset: int = 0) -> Accuracy:
+        c = self.config
+        questions = self.holdout[: c.eval.max_questions] if c.eval.max_questions else self.holdout
+        sampling = SamplingSettings(c.rollout.max_completion_length, c.eval.temperature, c.rollout.top_p,
+                                    c.rollout.top_k)
+        d = c.data
+        render = lambda q: render_prompt(self.trainer.tokenizer, q.messages, remove_system=d.remove_system,  # noqa: E731
+                                         system_prompt=d.system_prompt, think_prefix=d.think_prefix)
+        return evaluate_accuracy(self.trainer.engine, self.trainer.tokenizer, questions, self.reward_funcs, sampling,
+                                 c.eval.samples, seed=c.train.seed + 10_000 + seed_offset,
+                                 success_threshold=c.reward.success_threshold, render=render)
+
+    def close(self) -> None:
+        self.grading_pool.close()
+
+
+def build_reward_funcs(config: ExGRPOConfig, pool: GradingPool) -> list:
+    r = config.reward
+    if r.grader == "math":
+        return [MathReward(think_gate=r.think_gate, pool=pool)]
+    if r.grader == "choice":
+        return [ChoiceReward(pool=pool)]
+    return [ReasoningGymReward(pool=pool)]
+
+
+def build_run(config: ExGRPOConfig) -> Run:
+    c = config
+    torch.manual_seed(c.train.seed)
+    if c.train.threads:
+        torch.set_num_threads(c.train.threads)
+    questions = load_questions(c.data.train, split=c.data.split, limit=c.data.limit, skip_invalid=c.data.skip_invalid,
+                               prompt_suffix=c.data.prompt_suffix)
+    train, holdout = split_holdout(questions, c.data.holdout, c.train.seed) if c.data.holdout else (list(questions), [])
+    if c.data.eval:
+        holdout = list(load_questions(c.data.eval, skip_invalid=c.data.skip_invalid, prompt_suffix=c.data.prompt_suffix))
+    lora = LoraSettings(c.model.lora.r, c.model.lora.alpha, c.model.lora.dropout, c.model.lora.target_modules) \
+        if c.model.lora else None
+    model, tokenizer = load_policy(c.model.name, dtype=c.model.dtype, lora=lora)
+    pool = GradingPool(num_workers=c.reward.workers, timeout=c.reward.timeout)
+    reward_funcs = build_reward_funcs(c, pool)
+    trainer = ExGRPOTrainer(model, tokenizer, reward_funcs, c, train)
+    out = Path(c.logging.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(c.to_dict(), indent=2))
+    return Run(c, trainer, holdout, reward_funcs, pool)

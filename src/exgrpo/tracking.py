@@ -1,0 +1,82 @@
+"""Where metrics go: a rich progress bar, a JSONL file, TensorBoard and (when installed) Weights & Biases."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+class Tracker:
+    def __init__(self, output_dir: str | Path, total_steps: int, *, tensorboard: bool = True, wandb: bool = False,
+                 progress: bool = True, config: dict | None = None, start_step: int = 0):
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.console = Console(stderr=True)
+        self._jsonl = (self.dir / "metrics.jsonl").open("a")
+        self._samples = (self.dir / "samples.jsonl").open("a")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+        self._wandb = None
+        if wandb:
+            try:
+                import wandb as wandb_module
+            except ImportError:
+                raise RuntimeError("logging.wandb is true but wandb is not installed (pip install wandb)") from None
+            self._wandb = wandb_module.init(config=config or {}, dir=str(self.dir))
+        self._progress = None
+        if progress:
+            self._progress = Progress(
+                TextColumn("[bold]ExGRPO"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=self.console,
+            )
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="")
+            self._progress.start()
+
+    def log(self, step: int, metrics: dict) -> None:
+        clean = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        self._jsonl.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in clean.items():
+                self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(clean, step=step)
+        if self._progress is not None and "reward" in metrics:
+            status = (
+                f"reward {metrics['reward']:.2f} | {metrics.get('phase', '')} | "
+                f"buffer {metrics.get('experience/questions', 0):.0f}q/{metrics.get('experience/trajectories', 0):.0f}t"
+                f" | replayed {metrics.get('experience/replayed', 0):.0f} | {metrics.get('tokens_per_second', 0):.0f} tok/s"
+            )
+            self._progress.update(self._task, completed=step, status=status)
+
+    def log_samples(self, step: int, samples: list[dict]) -> None:
+        for sample in samples:
+            self._samples.write(json.dumps({"step": step, **sample}) + "\n")
+        self._samples.flush()
+
+    def print(self, *args) -> None:
+        self.console.print(*args)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        self._jsonl.close()
+        self._samples.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,89 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from exgrpo.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_paper_config_equals_the_released_run_script():
+    """configs/qwen2.5-math-7b.yaml holds spec §7's values (no weights are loaded)."""
+    c = load_config(ROOT / "configs" / "qwen2.5-math-7b.yaml")
+    assert c.model.name == "Elliott/Qwen2.5-Math-7B-16k-think" and c.model.dtype == "bfloat16"
+    assert (c.rollout.num_generations, c.rollout.max_completion_length, c.rollout.temperature, c.rollout.top_p,
+            c.rollout.top_k) == (8, 8192, 1.0, 1.0, 0)
+    assert c.reward.grader == "math" and c.reward.think_gate and c.data.think_prefix == "<think>\n"
+    o = c.objective
+    assert (o.scale_rewards, o.epsilon_low, o.epsilon_high, o.clip_after_switch, o.beta, o.policy_shaping,
+            o.aggregation, o.normalizer, o.entropy_coef, o.kl_coef) == \
+        ("none", 0.2, 0.2, False, 0.1, True, "sum_constant", 8192.0, 0.001, 0.0)
+    e = c.experience
+    assert (e.ratio, e.start_threshold, e.bucket_scheme, e.bucket_sigma, e.selection_metric, e.selection_mode,
+            e.importance_correction, e.lbound, e.rbound) == (0.5, 0.35, "normal", 1.0, "entropy", "argmin", True, 0, 7)
+    t = c.train
+    assert (t.steps, t.prompts_per_step, t.mini_batches, t.learning_rate, t.weight_decay, t.adam_beta1, t.adam_beta2,
+            t.lr_scheduler, t.warmup_steps, t.max_grad_norm, t.skip_grad_norm, t.seed) == \
+        (700, 128, 2, 1e-6, 0.01, 0.9, 0.999, "constant", 0, 1.0, 500.0, 47)
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "tiny.yaml"])
+def test_shipped_configs_parse(name):
+    load_config(ROOT / "configs" / name)
+
+
+def test_overrides_in_both_spellings():
+    c = load_config(None, ["experience.ratio=0.25", "--train.steps", "3", "--model.lora.r=8", "model.lora.alpha=16"])
+    assert c.experience.ratio == 0.25 and c.train.steps == 3 and c.model.lora.r == 8 and c.model.lora.alpha == 16
+    assert load_config(None, ["experience.rbound=null"]).experience.rbound is None
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["experience.ratoi=0.2"], "unknown config field 'experience.ratoi'; allowed fields of experience: ["),
+    (["trainer.steps=3"], "unknown config field 'trainer'; allowed fields: ["),
+    (["train.steps=three"], "train.steps: expected an integer, got 'three'"),
+    (["train.steps=2.5"], "train.steps: expected an integer, got 2.5"),
+    (["experience.bucket_scheme=gauss"], "experience.bucket_scheme: 'gauss' is not allowed; expected one of "
+                                         "['normal', 'linear', 'sqrt', 'linear_clip', 'uniform']"),
+    (["reward.think_gate=maybe"], "reward.think_gate: expected true or false, got 'maybe'"),
+    (["experience.ratio=1.5"], "experience.ratio must be in [0, 1]"),
+    (["train.prompts_per_step=5", "train.mini_batches=2"], "must be divisible by train.mini_batches"),
+    (["train.steps=null"], "train.steps: null is not allowed"),
+    (["experience"], "must look like section.field=value"),
+])
+def test_config_errors_name_the_field(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert message in str(info.value)
+
+
+def test_bad_yaml_files(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
+        load_config(bad)
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="expected a mapping of sections"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_cli_train_tiny_end_to_end(tmp_path):
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "exgrpo", "train", "--config", str(ROOT / "configs" / "tiny.yaml"),
+         f"logging.output_dir={out}", "logging.progress=false", "train.steps=3"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 3 and (out / "config.json").is_file()
+
+
+def test_cli_config_error_exit_code(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "exgrpo", "train", "train.stpes=3"], capture_output=True,
+                            text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 2 and "unknown config field 'train.stpes'" in result.stderr

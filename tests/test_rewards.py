@@ -1,0 +1,263 @@
+"""Tests for exgrpo.rewards against the real math-verify (0.9.0).
+
+The expected labels are math-verify's actual behaviour. Those marked "GAP" are surprising labels that the released
+reward inherits; they are kept as they are so that a math-verify upgrade that changes them shows up here.
+"""
+
+import os
+import sys
+import threading
+import time
+import types
+
+import numpy as np
+import pytest
+
+from exgrpo.rewards import ChoiceReward, GradingPool, MathReward, combine_rewards, grade_choice, grade_math
+
+MATH_CASES = [
+    # fractions and decimals
+    (r"\boxed{\frac{1}{2}}", "0.5", 1.0),
+    (r"\boxed{0.5}", r"\frac{1}{2}", 1.0),
+    ("1/2", r"\frac12", 1.0),
+    (r"\boxed{\dfrac{3}{4}}", r"\frac34", 1.0),
+    (r"\boxed{\frac{6}{8}}", r"\frac{3}{4}", 1.0),
+    (r"\boxed{0.33}", r"\frac{1}{3}", 0.0),
+    (r"\boxed{0.333333}", r"\frac{1}{3}", 1.0),  # GAP: floats are compared after rounding to 6 decimals
+    # sets
+    (r"\boxed{\{1,2\}}", r"\{1,2\}", 1.0),
+    (r"\boxed{\{2,1\}}", r"\{1,2\}", 1.0),
+    (r"\boxed{\{1,3\}}", r"\{1,2\}", 0.0),
+    (r"\boxed{1, 2}", r"\{1,2\}", 1.0),
+    (r"\boxed{2}", r"\{1,2\}", 0.0),
+    (r"\boxed{3, 2}", "2,3", 1.0),  # GAP: a bare comma list is a set, so an ordered answer's order is ignored
+    # intervals
+    (r"\boxed{[0, 1]}", "[0,1]", 1.0),
+    (r"\boxed{(0, 1]}", "[0,1]", 0.0),
+    (r"\boxed{(0, 1)}", "[0,1]", 0.0),
+    (r"\boxed{x \in (0, 1]}", "(0,1]", 1.0),
+    (r"\boxed{(-\infty, 2)}", r"(-\infty,2)", 1.0),
+    # percent
+    (r"\boxed{50\%}", "50", 1.0),
+    (r"\boxed{0.5}", r"50\%", 1.0),
+    (r"\boxed{50}", r"50\%", 1.0),  # GAP: both 50 and 0.5 match a gold of 50%
+    # units
+    (r"\boxed{5 \text{ cm}}", "5", 1.0),
+    (r"\boxed{5}", r"5 \text{ cm}", 1.0),
+    (r"\boxed{5 \text{ m}}", r"5 \text{ cm}", 1.0),  # GAP: units are dropped, not compared...
+    (r"\boxed{500 \text{ cm}}", r"5 \text{ m}", 0.0),  # ...nor converted
+    (r"\boxed{45^\circ}", "45", 1.0),
+    # negatives
+    (r"\boxed{-3}", "-3", 1.0),
+    (r"\boxed{3}", "-3", 0.0),
+    ("The answer is -3", "-3", 1.0),
+    # roots and pi
+    (r"\boxed{2\sqrt{2}}", r"\sqrt{8}", 1.0),
+    (r"\boxed{\frac{\sqrt{2}}{2}}", r"\frac{1}{\sqrt{2}}", 1.0),
+    (r"\boxed{\sqrt{3}}", r"\sqrt{2}", 0.0),
+    (r"\boxed{1.414}", r"\sqrt{2}", 0.0),
+    (r"\boxed{\sqrt{-1}}", "i", 0.0),  # GAP: sqrt(-1) is not simplified to i
+    (r"\boxed{\pi}", r"\pi", 1.0),
+    (r"\boxed{2\pi}", r"\pi \cdot 2", 1.0),
+    (r"\boxed{3.14}", r"\pi", 0.0),
+    # tuples, equations, expressions
+    (r"\boxed{(1,2,3)}", "(1,2,3)", 1.0),
+    (r"\boxed{(2, 1)}", "(1,2)", 0.0),
+    (r"\boxed{x=3}", "3", 1.0),
+    (r"\boxed{x^2+2x+1}", "(x+1)^2", 1.0),
+    (r"\boxed{y^2+2y+1}", "(x+1)^2", 0.0),
+    (r"\boxed{1.2e1}", "12", 0.0),  # GAP: scientific notation reads e as Euler's number
+    # plain text: math-verify's expression fallback takes the last number
+    ("12", "12", 1.0),
+    ("The answer is 12.", "12", 1.0),
+    ("After 3 steps we get 12.", "12", 1.0),
+    ("12 is the answer, not 13", "12", 0.0),
+    ("The answer is 12.5", "12", 0.0),
+    ("It costs $12", "12", 1.0),
+    ("1,000", "1000", 1.0),
+    (r"\boxed{1,000}", "1000", 1.0),
+    ("answer:12", "12", 0.0),  # GAP: a number glued to a preceding ':' is not extracted at all
+    ("(12)", "12", 0.0),  # GAP: nor a number in parentheses
+    # boxes
+    (r"Therefore $\boxed{12}$. Check: 3*4 = 12, and 5", "12", 1.0),
+    (r"\boxed{7} then \boxed{12}", "12", 0.0),  # GAP: every box is kept and they merge into the set {7, 12}
+    # no answer
+    ("no answer here", "12", 0.0),
+    ("", "12", 0.0),
+    (r"\boxed{}", "12", 0.0),
+]
+
+# (completion, gold, label with think_gate=True, label without)
+THINK_CASES = [
+    ("so 12 </think> The answer is \\boxed{12}", "12", 1.0, 1.0),
+    ("the answer is \\boxed{12} but no closing tag", "12", 0.0, 1.0),
+    ("thinking 13 </think> \\boxed{12}", "12", 1.0, 1.0),
+    ("thinking 12 </think> \\boxed{13}", "12", 0.0, 0.0),
+    ("a </think> \\boxed{12} </think> \\boxed{13}", "12", 1.0, 0.0),  # a second </think> ends the answer
+    ("a </think> \\boxed{13} </think> \\boxed{12}", "12", 0.0, 1.0),
+    ("so 12 </think>", "12", 0.0, 1.0),  # nothing after </think>
+    ("</think>12", "12", 1.0, 0.0),  # GAP (ungated): a number glued to a tag is not extracted
+]
+
+CHOICE_CASES = [
+    (r"so \boxed{C}", "C", 1.0),
+    (r"\boxed{\text{C}}", "C", 1.0),
+    (r"\boxed{(C)}", "C", 1.0),
+    (r"\boxed{\textbf{(B)}}", "B", 1.0),
+    (r"\boxed{c}", "C", 1.0),
+    (r"\boxed{B}", "C", 0.0),
+    (r"\boxed{A}, no wait: \boxed{D}", "D", 1.0),
+    (r"\boxed{A}, no wait: \boxed{D}", "A", 0.0),
+    ("reasoning\nANSWER: C", "C", 1.0),
+    ("reasoning\nAnswer:(c)", "C", 1.0),
+    ("reasoning\nanswer : D.", "D", 1.0),
+    ("reasoning\nANSWER: B", "(B)", 1.0),
+    ("reasoning\nANSWER: B", "C", 0.0),
+    ("\\boxed{42}\nANSWER: B", "B", 1.0),  # a box without a letter defers to the ANSWER line
+    ("ANSWER: C\nbut wait, let me check", "C", 0.0),  # the ANSWER line must be the last line
+    ("ANSWER: CD", "C", 0.0),
+    ("The answer is C", "C", 0.0),
+    (r"\boxed{C", "C", 0.0),
+    ("", "C", 0.0),
+]
+
+
+def misbehaving_grader(completion: str, gold: str) -> float:
+    """Test grader: hangs, crashes or raises on request. The spawned workers can import this module because
+    multiprocessing's spawn hands them the parent's sys.path, where pytest put this tests directory."""
+    if completion == "hang":
+        time.sleep(3600)
+    if completion == "crash":
+        os._exit(1)
+    if completion == "raise":
+        raise ZeroDivisionError
+    return float(completion == gold)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with GradingPool(num_workers=2, timeout=2.0) as p:
+        yield p
+
+
+@pytest.mark.parametrize(("completion", "gold", "expected"), MATH_CASES)
+def test_grade_math(completion, gold, expected):
+    assert grade_math(completion, gold) == expected
+
+
+@pytest.mark.parametrize(("completion", "gold", "gated", "ungated"), THINK_CASES)
+def test_grade_math_think_gate(completion, gold, gated, ungated):
+    assert grade_math(completion, gold, think_gate=True) == gated
+    assert grade_math(completion, gold) == ungated
+
+
+@pytest.mark.parametrize(("completion", "gold", "expected"), CHOICE_CASES)
+def test_grade_choice(completion, gold, expected):
+    assert grade_choice(completion, gold) == expected
+
+
+def test_pool_matches_serial_grading(pool):
+    completions, golds, expected = map(list, zip(*MATH_CASES))
+    assert pool.grade(grade_math, completions, golds) == expected
+    gated = pool.grade(grade_math, [c[0] for c in THINK_CASES], [c[1] for c in THINK_CASES], think_gate=True)
+    assert gated == [c[2] for c in THINK_CASES]
+
+
+def test_hanging_math_input_times_out(pool):
+    # sympy evaluates 9^(9^9) when comparing; the pool's 2 s timeout fires before math-verify's own 5 s one.
+    pool.pop_stats()
+    assert pool.grade(grade_math, [r"\boxed{9^{9^{9}}}", r"\boxed{12}"], ["12", "12"]) == [0.0, 1.0]
+    assert pool.pop_stats() == {"graded": 2, "timeouts": 1, "crashes": 0}
+
+
+def test_hung_and_crashed_items_score_zero_and_the_pool_recovers(pool):
+    pool.pop_stats()
+    before = dict(pool.stats)
+    start = time.monotonic()
+    scores = pool.grade(misbehaving_grader, ["hang", "a", "crash", "raise", "b"], ["a", "a", "a", "a", "x"])
+    # The margin covers restarting two workers, which takes seconds on a busy 2-core machine.
+    assert time.monotonic() - start < pool.timeout + 15
+    assert scores == [0.0, 1.0, 0.0, 0.0, 0.0]
+    assert pool.pop_stats() == {"graded": 5, "timeouts": 1, "crashes": 1}
+    assert pool.stats == {"graded": before["graded"] + 5, "timeouts": before["timeouts"] + 1,
+                          "crashes": before["crashes"] + 1}
+    assert pool.grade(misbehaving_grader, ["a", "b", "c"], ["a", "b", "x"]) == [1.0, 1.0, 0.0]
+    assert pool.pop_stats() == {"graded": 3, "timeouts": 0, "crashes": 0}
+
+
+def test_serial_pool_scores_exceptions_zero():
+    serial = GradingPool(num_workers=0)
+    assert serial.grade(misbehaving_grader, ["raise", "a"], ["a", "a"]) == [0.0, 1.0]
+    assert serial.grade(grade_math, [r"\boxed{12}"], ["12"]) == [1.0]
+    assert serial.stats == {"graded": 3, "timeouts": 0, "crashes": 0}
+
+
+def test_grade_rejects_mismatched_lengths(pool):
+    with pytest.raises(ValueError, match="2 completions but 1 golds"):
+        pool.grade(grade_math, ["1", "2"], ["1"])
+
+
+def test_grading_from_other_threads(pool):
+    # Off the main thread math-verify's signal timeouts would raise, and every answer would score 0.0.
+    results = {}
+
+    def work(key, completions):
+        results[key] = grade_math(r"\boxed{\frac{1}{2}}", "0.5"), pool.grade(grade_math, completions, ["12"] * 4)
+
+    threads = [threading.Thread(target=work, args=(k, [f"{k} {n}" for n in (12, 13, 12, 7)])) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results == {k: (1.0, [1.0, 0.0, 1.0, 0.0]) for k in range(3)}
+
+
+def test_unimportable_grader_raises_and_close_stops_workers():
+    ghost = types.ModuleType("exgrpo_test_ghost_module")  # importable here but not in a spawned worker
+    exec("def grade(completion, gold):\n    return 1.0", ghost.__dict__)
+    sys.modules[ghost.__name__] = ghost
+    try:
+        with GradingPool(num_workers=1) as p:
+            with pytest.raises(RuntimeError, match="cannot load the grader"):
+                p.grade(ghost.grade, ["a"], ["a"])
+            assert p.grade(grade_math, ["12"], ["12"]) == [1.0]  # restarted after the error
+            procs = [w.proc for w in p._workers]
+            assert len(procs) == 1 and procs[0].poll() is None
+        assert all(proc.poll() is not None for proc in procs)  # close() stopped the workers
+    finally:
+        del sys.modules[ghost.__name__]
+
+
+def test_reward_functions_read_the_answer_column(pool):
+    math_reward = MathReward(think_gate=True, pool=pool)
+    completions = ["x </think> \\boxed{12}", "\\boxed{12}", "x </think> 13"]
+    out = math_reward(prompts=["p"] * 3, completions=completions, completion_ids=[[1]] * 3, answer=["12"] * 3,
+                      level=[1, 2, 3])
+    assert out == [1.0, 0.0, 0.0]
+    assert (MathReward.name, ChoiceReward.name) == ("math", "choice")
+    out = ChoiceReward()(prompts=["p"] * 2, completions=[r"\boxed{B}", "ANSWER: c"], completion_ids=None,
+                         answer=["B", "D"])
+    assert out == [1.0, 0.0]
+
+
+def brevity(prompts, completions, completion_ids, **columns):
+    """No opinion (None) on empty completions; TRL skips those in the weighted sum."""
+    return [None if c == "" else -0.1 * len(c) for c in completions]
+
+
+def test_combine_rewards_weights_and_skips_none():
+    completions = [r"\boxed{12}", r"\boxed{1}", ""]
+    total, per_func = combine_rewards([MathReward(), brevity], [1.0, 0.5], ["p"] * 3, completions, [[1]] * 3,
+                                      {"answer": ["12", "12", "12"]})
+    np.testing.assert_allclose(per_func["math"], [1.0, 0.0, 0.0])
+    np.testing.assert_allclose(per_func["brevity"], [-1.0, -0.9, np.nan])
+    np.testing.assert_allclose(total, [1.0 - 0.5, -0.45, 0.0])
+    assert list(per_func) == ["math", "brevity"]
+
+
+def test_combine_rewards_rejects_wrong_lengths():
+    def short(prompts, completions, completion_ids, **columns):
+        return [1.0]
+
+    with pytest.raises(ValueError, match="'short' returned 1 rewards for 2 completions"):
+        combine_rewards([short], [1.0], ["p", "q"], ["a", "b"], [[1], [2]], {})
