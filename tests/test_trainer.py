@@ -25,13 +25,18 @@ def first_char_reward(prompts, completions, completion_ids, answer, **_):
     return [1.0 if c[:1] in GOOD else 0.0 for c in completions]
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # train() writes its logs to logging.output_dir, relative to here
+
+
 def _config(**sections):
     base = {
         "rollout": {"num_generations": 4, "max_completion_length": 4},
         "train": {"steps": 6, "prompts_per_step": 8, "mini_batches": 2, "micro_batch_size": 16,
                   "learning_rate": 3e-3, "seed": 3},
         "experience": {"start_threshold": 0.1},
-        "logging": {"output_dir": "unused", "progress": False, "tensorboard": False, "sample_every": 0},
+        "logging": {"output_dir": "run", "progress": False, "tensorboard": False, "sample_every": 0},
     }
     for name, values in sections.items():
         base.setdefault(name, {}).update(values)
