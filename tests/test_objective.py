@@ -3,7 +3,9 @@ import math
 import pytest
 import torch
 
-from exgrpo.objective import LossSettings, aggregate, group_advantages, mixed_policy_loss, policy_shaping
+from exgrpo.objective import (
+    LossSettings, aggregate, group_advantages, merge_stats, mixed_policy_loss, policy_shaping,
+)
 
 
 def test_group_advantages_mean_centred_and_scaled():
@@ -140,3 +142,22 @@ def test_entropy_bonus_and_kl():
     with pytest.raises(ValueError, match="needs reference log-probs"):
         mixed_policy_loss(logp, logp, logp, torch.zeros(3), mask, torch.zeros(3, 4, dtype=torch.bool),
                           LossSettings(kl_coef=1.0))
+
+
+def test_merge_stats_equals_stats_of_the_union():
+    """Merged micro-batch stats equal the stats of the whole batch, however it is split."""
+    torch.manual_seed(2)
+    B, T = 6, 5
+    logp, old, rec = torch.randn(B, T) * 0.1 - 1, torch.randn(B, T) * 0.1 - 1, torch.randn(B, T) * 0.1 - 1
+    adv, mask, ent = torch.randn(B), (torch.rand(B, T) > 0.3).float(), torch.rand(B, T)
+    mask[:, 0] = 1
+    replay = torch.zeros(B, T, dtype=torch.bool)
+    replay[[0, 4]] = True
+    s = LossSettings()
+    whole = mixed_policy_loss(logp, old, rec, adv, mask, replay, s, entropy=ent)[1]
+    parts = [mixed_policy_loss(logp[r], old[r], rec[r], adv[r], mask[r], replay[r], s, entropy=ent[r])[1]
+             for r in (slice(0, 1), slice(1, 4), slice(4, 6))]
+    merged = merge_stats(parts)
+    for key, value in whole.items():
+        if key not in ("fresh_tokens", "replay_tokens"):
+            assert merged[key] == pytest.approx(value, rel=1e-5), key

@@ -13,7 +13,8 @@ import types
 import numpy as np
 import pytest
 
-from exgrpo.rewards import ChoiceReward, GradingPool, MathReward, combine_rewards, grade_choice, grade_math
+from exgrpo.rewards import (ChoiceReward, GradingPool, MathReward, choice_letter, combine_rewards, grade_choice,
+                            grade_math, grade_math_boxed)
 
 MATH_CASES = [
     # fractions and decimals
@@ -119,6 +120,12 @@ CHOICE_CASES = [
     ("The answer is C", "C", 0.0),
     (r"\boxed{C", "C", 0.0),
     ("", "C", 0.0),
+    # 22 ARC-c rows number their options 1-4
+    (r"\boxed{2}", "2", 1.0),
+    (r"\boxed{\text{(3)}}", "3", 1.0),
+    ("reasoning\nANSWER: 4", "4", 1.0),
+    (r"\boxed{2}", "B", 0.0),  # a digit is not mapped to a letter
+    (r"\boxed{12}", "1", 0.0),
 ]
 
 
@@ -154,6 +161,24 @@ def test_grade_math_think_gate(completion, gold, gated, ungated):
 @pytest.mark.parametrize(("completion", "gold", "expected"), CHOICE_CASES)
 def test_grade_choice(completion, gold, expected):
     assert grade_choice(completion, gold) == expected
+
+
+BOXED_CASES = [
+    (r"\boxed{7} then \boxed{12}", "12", 1.0),  # only the last box counts (grade_math merges both: 0.0)
+    (r"\boxed{12} then \boxed{7}", "12", 0.0),
+    ("The answer is 12.", "12", 0.0),  # no box: incorrect, whatever the text says
+    (r"so $\boxed{\frac{1}{2}}$.", "0.5", 1.0),
+    (r"\boxed{12", "12", 0.0),  # unbalanced: no usable box
+]
+
+
+@pytest.mark.parametrize(("completion", "gold", "expected"), BOXED_CASES)
+def test_grade_math_boxed(completion, gold, expected):
+    assert grade_math_boxed(completion, gold) == expected
+
+
+def test_choice_letter_is_what_grade_choice_grades():
+    assert [choice_letter(c) for c in (r"\boxed{\textbf{(b)}}", "x\nANSWER: 3", "The answer is C")] == ["B", "3", ""]
 
 
 def test_pool_matches_serial_grading(pool):

@@ -1,8 +1,9 @@
-"""`exgrpo train|demo --config F [section.field=value ...]`."""
+"""`exgrpo train|demo --config F [section.field=value ...]` and `exgrpo eval --model M --benchmarks B ...`."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 import time
@@ -14,11 +15,27 @@ from exgrpo.config import ConfigError, load_config
 
 
 def _train(args, overrides) -> int:
+    from exgrpo.checkpoint import latest_checkpoint
     from exgrpo.run import build_run
 
-    config = load_config(args.config, overrides)
+    checkpoint = None
+    if args.resume == "auto":
+        config = load_config(args.config, overrides)
+        checkpoint = latest_checkpoint(config.logging.output_dir)
+    elif args.resume:
+        checkpoint = latest_checkpoint(args.resume)
+        if checkpoint is None:
+            raise ConfigError(f"--resume {args.resume}: no complete checkpoint under {args.resume}/checkpoints")
+        # the run's own resolved config, unless a config file is given; overrides apply on top either way
+        base = None if args.config else json.loads((checkpoint / "trainer.json").read_text())["config"]
+        config = load_config(args.config, overrides + [f"logging.output_dir={args.resume}"], base=base)
+    else:
+        config = load_config(args.config, overrides)
     run = build_run(config)
     try:
+        if checkpoint is not None:
+            run.trainer.resume(checkpoint)
+            print(f"exgrpo: resumed from {checkpoint} at step {run.trainer.step}", file=sys.stderr)
         run.trainer.train()
     finally:
         run.close()
@@ -76,6 +93,75 @@ def _demo(args, overrides) -> int:
     return 0
 
 
+def _eval(args, argv: list[str]) -> int:
+    """The paper's evaluation protocol (spec §8) for one or more models; prints the paper's table."""
+    from exgrpo.benchmarks import load_benchmarks, load_benchmarks_hf, resolve_benchmarks
+    from exgrpo.data import DataError
+    from exgrpo.eval_run import run_eval
+    from exgrpo.evaluation import THINK, EvalProtocol
+    from exgrpo.models import PolicyNotFoundError
+
+    console = Console(stderr=True)  # progress and notes on stderr; the table alone on stdout
+    try:
+        benchmarks = resolve_benchmarks(args.benchmarks)
+        data = load_benchmarks_hf(benchmarks) if args.hf else load_benchmarks(benchmarks, args.data)
+    except (ValueError, FileNotFoundError, ImportError, DataError) as e:
+        print(f"exgrpo eval: {e}", file=sys.stderr)
+        return 2
+    if args.limit:
+        for d in data:
+            d.items = d.items[: args.limit]
+    protocol = EvalProtocol(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            remove_system=not args.keep_system, think_prefix=THINK if args.think else "",
+                            think_gate=args.think_gate, last_box_only=not args.grade_all_text)
+    command = "exgrpo " + shlex.join(argv)
+    try:
+        table = run_eval(args.model, data, protocol, args.output, samples=args.samples, seed=args.seed,
+                         batch_size=args.batch_size, dtype=args.dtype, workers=args.workers, command=command,
+                         console=console)
+    except PolicyNotFoundError as e:
+        print(f"exgrpo eval: {e}", file=sys.stderr)
+        return 2
+    print(table)
+    console.print(f"outputs: {args.output}")
+    return 0
+
+
+def _add_eval_parser(sub) -> None:
+    p = sub.add_parser("eval", help="evaluate models on the paper's benchmarks (spec §8)",
+                       description="Sample each benchmark question under the paper's protocol, grade, and print "
+                                   "a table with the paper's columns (one row per model).")
+    p.add_argument("--model", action="append", required=True, metavar="PATH_OR_PRESET",
+                   help="a preset (smollm2-135m-instruct, tiny), a local checkpoint or a HF id; repeat for a table")
+    p.add_argument("--benchmarks", default="all",
+                   help="comma list of aime24,aime25,amc,math500,minerva,olympiad,arc_c,gpqa, or all|id|ood "
+                        "(default: all)")
+    p.add_argument("--data", metavar="DIR_OR_FILE",
+                   help="directory with test.id.parquet, ood.arc_c.parquet, ood.gpqa.parquet, or one parquet file "
+                        "(default: $EXGRPO_BENCHMARKS)")
+    p.add_argument("--hf", action="store_true", help="load the public Hugging Face copies instead (needs `datasets`)")
+    p.add_argument("--preset", choices=["paper"], default="paper",
+                   help="samples per question: paper = 32 on AIME24/25 and AMC, 1 elsewhere (avg@32 / pass@1)")
+    p.add_argument("--samples", type=int, metavar="N",
+                   help="samples per question on every benchmark (overrides the preset)")
+    p.add_argument("--limit", type=int, metavar="N", help="first N distinct questions per benchmark (quick runs)")
+    p.add_argument("--max-new-tokens", type=int, default=8192)
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--think", action="store_true",
+                   help="end prompts with '<think>\\n' (for think-tuned models; it is prepended before grading)")
+    p.add_argument("--think-gate", action="store_true",
+                   help="grade only after the first '</think>', 0 without one (training reward; not the paper's eval)")
+    p.add_argument("--keep-system", action="store_true", help="keep the data's system message (the paper drops it)")
+    p.add_argument("--grade-all-text", action="store_true",
+                   help="math: math-verify on the whole completion (training reward) instead of the last \\boxed{}")
+    p.add_argument("--output", default="runs/eval", help="output directory (default: runs/eval)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=64, help="sequences generated together")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--workers", type=int, default=2, help="grading processes (0: grade in-process, no timeout)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="exgrpo", description="ExGRPO: experience replay for RLVR")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -83,7 +169,17 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=help_text,
                            epilog="Any config field can be overridden: section.field=value or --section.field value")
         p.add_argument("--config", help="YAML config file")
+        if name == "train":
+            p.add_argument("--resume", metavar="RUN_DIR|auto",
+                           help="continue from the latest checkpoint of RUN_DIR (auto: of logging.output_dir, if any)")
+    _add_eval_parser(sub)
     args, overrides = parser.parse_known_args(argv)
+    if args.command == "eval":
+        if overrides:
+            parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+        if args.samples is not None and args.samples < 1 or args.limit is not None and args.limit < 1:
+            parser.error("--samples and --limit must be positive")
+        return _eval(args, sys.argv[1:] if argv is None else argv)
     try:
         return {"train": _train, "demo": _demo}[args.command](args, overrides)
     except ConfigError as e:

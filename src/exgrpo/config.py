@@ -70,6 +70,8 @@ class RolloutConfig:
 @dataclass
 class RewardConfig:
     grader: Literal["math", "choice", "reasoning_gym"] = "math"
+    function: str | None = None
+    """A reward function 'module:name' (TRL's signature) used instead of the grader."""
     think_gate: bool = False
     """Answer = text after the first </think>; missing </think> scores 0 (released training reward: true)."""
     workers: int = 2
@@ -137,8 +139,14 @@ class TrainConfig:
     skip_grad_norm: float = 500.0
     """Skip the update when the grad norm is non-finite or above this."""
     seed: int = 47
+    save_every: int = 50
+    """Checkpoint every N steps (and at the end, and on SIGINT/SIGTERM); 0 checkpoints only at the end."""
+    save_total_limit: int = 2
+    """Keep the newest N checkpoints."""
     threads: int = 0
     """torch CPU threads; 0 leaves torch's default."""
+    check_replicas: bool = False
+    """Data parallel: after every step compare the ranks' buffer and parameter hashes, fail on a mismatch."""
 
 
 @dataclass
@@ -199,6 +207,7 @@ def validate(cfg: ExGRPOConfig) -> None:
         (cfg.experience.rbound is None or cfg.experience.lbound < cfg.experience.rbound <= K - 1,
          f"experience.lbound < experience.rbound <= num_generations-1 ({K - 1}) must hold"),
         (cfg.reward.timeout > 0, "reward.timeout must be > 0"),
+        (cfg.train.save_total_limit >= 1, "train.save_total_limit must be >= 1"),
     ]
     for ok, message in checks:
         if not ok:
@@ -310,9 +319,10 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
     return pairs
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExGRPOConfig:
-    """Defaults, then the YAML file, then dotted overrides."""
-    tree: dict = {}
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                base: dict | None = None) -> ExGRPOConfig:
+    """Defaults, then `base` (e.g. a checkpoint's resolved config) or the YAML file, then dotted overrides."""
+    tree: dict = dict(base or {})
     if path is not None:
         path = Path(path)
         if not path.is_file():

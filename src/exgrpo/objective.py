@@ -189,3 +189,28 @@ def _stats(parts, advantages, mask, fresh_mask, replay_mask, settings, entropy, 
     if kl is not None:
         stats["kl"] = float(masked_mean(kl, mask))
     return stats
+
+
+def merge_stats(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Combine the stats of several micro-batches as if computed over their union.
+
+    Means are weighted by the tokens they average over (fresh, replayed or all), minima and maxima reduce.
+    """
+    merged: dict[str, float] = {}
+    keys = {k for p in parts for k in p} - {"fresh_tokens", "replay_tokens"}
+    for key in keys:
+        present = [p for p in parts if key in p]
+        if key.endswith("_min") or key.endswith("/min"):
+            merged[key] = min(p[key] for p in present)
+        elif key.endswith("_max") or key.endswith("/max"):
+            merged[key] = max(p[key] for p in present)
+        else:
+            if key.startswith(("ratio/", "clip_ratio/")):
+                weights = [p["fresh_tokens"] for p in present]
+            elif key.startswith("replay/"):
+                weights = [p["replay_tokens"] for p in present]
+            else:  # entropy, kl: over all completion tokens
+                weights = [p["fresh_tokens"] + p["replay_tokens"] for p in present]
+            total = sum(weights)
+            merged[key] = sum(w * p[key] for w, p in zip(weights, present)) / total if total else 0.0
+    return merged

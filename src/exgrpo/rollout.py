@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 
 @dataclass(frozen=True)
@@ -30,13 +31,45 @@ class Rollouts:
 
 
 class RolloutEngine(Protocol):
-    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingSettings, seed: int) -> Rollouts:
-        """Sample one completion per prompt; reproducible for a given seed."""
+    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingSettings,
+                 seeds: Sequence[int]) -> Rollouts:
+        """Sample one completion per prompt, the i-th from the random stream seeded by seeds[i].
+
+        A request's sample depends on its own seed only, not on the rest of the batch, so sharding requests
+        over data-parallel ranks or changing the generation batch size gives the same completions.
+        """
         ...
 
     def sync_weights(self) -> None:
         """Called after every optimizer step (engines holding their own copy of the weights reload here)."""
         ...
+
+
+class PerRowSampler(LogitsProcessor):
+    """Exact sampling from softmax(logits / T) restricted by top-k / top-p, one random stream per row.
+
+    Gumbel-max: argmax(log p + G) with G ~ Gumbel(0, 1) is a sample from p. Drawing G from a per-row generator
+    makes each row's sample independent of which other rows share its batch.
+    """
+
+    def __init__(self, sampling: SamplingSettings, seeds: Sequence[int]):
+        self.sampling = sampling
+        self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        s = self.sampling
+        logits = scores.float() / s.temperature
+        if s.top_k and s.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if s.top_p < 1.0:
+            sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+            cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+            drop = cumulative - torch.softmax(sorted_logits, dim=-1) > s.top_p  # keep the token that crosses top_p
+            logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+        uniform = torch.stack([torch.rand(logits.shape[-1], generator=g) for g in self.generators]).to(logits.device)
+        gumbel = -torch.log(-torch.log(uniform.clamp(1e-10, 1 - 1e-7)))
+        return torch.log_softmax(logits, dim=-1) + gumbel
 
 
 class HFEngine:
@@ -53,23 +86,24 @@ class HFEngine:
         pass
 
     @torch.no_grad()
-    def generate(self, prompt_ids, sampling: SamplingSettings, seed: int) -> Rollouts:
-        torch.manual_seed(seed)
+    def generate(self, prompt_ids, sampling: SamplingSettings, seeds: Sequence[int]) -> Rollouts:
+        if len(seeds) != len(prompt_ids):
+            raise ValueError(f"{len(prompt_ids)} prompts but {len(seeds)} seeds")
         completions: list[list[int]] = []
         truncated: list[bool] = []
         was_training = self.model.training
         self.model.eval()
         try:
             for start in range(0, len(prompt_ids), self.batch_size):
-                chunk = prompt_ids[start : start + self.batch_size]
-                c, t = self._generate_chunk(chunk, sampling)
+                end = start + self.batch_size
+                c, t = self._generate_chunk(prompt_ids[start:end], sampling, seeds[start:end])
                 completions += c
                 truncated += t
         finally:
             self.model.train(was_training)
         return Rollouts(completions, truncated)
 
-    def _generate_chunk(self, prompt_ids, sampling: SamplingSettings):
+    def _generate_chunk(self, prompt_ids, sampling: SamplingSettings, seeds):
         pad = self.tokenizer.pad_token_id
         width = max(len(p) for p in prompt_ids)
         input_ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
@@ -77,10 +111,13 @@ class HFEngine:
         for i, p in enumerate(prompt_ids):
             input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
             attention[i, width - len(p):] = 1
+        # Sampling happens in the logits processor (Gumbel-max with a generator per row), so generate decodes
+        # greedily over already-sampled scores.
         out = self.model.generate(
             input_ids=input_ids.to(self.model.device), attention_mask=attention.to(self.model.device),
-            do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None,
+            do_sample=False, logits_processor=LogitsProcessorList([PerRowSampler(sampling, seeds)]),
             max_new_tokens=sampling.max_new_tokens, pad_token_id=pad, eos_token_id=sorted(self.eos_ids),
+            temperature=None, top_p=None, top_k=None,
         )
         completions, truncated = [], []
         for row in out[:, width:].tolist():

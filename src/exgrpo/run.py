@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from exgrpo.config import ExGRPOConfig
+from exgrpo.config import ConfigError, ExGRPOConfig
 from exgrpo.data import Question, load_questions, render_prompt, split_holdout
 from exgrpo.evaluation import Accuracy, evaluate_accuracy
 from exgrpo.models import LoraSettings, load_policy
@@ -43,6 +44,12 @@ class Run:
 
 def build_reward_funcs(config: ExGRPOConfig, pool: GradingPool) -> list:
     r = config.reward
+    if r.function:
+        module, _, name = r.function.partition(":")
+        try:
+            return [getattr(importlib.import_module(module), name)]
+        except (ImportError, AttributeError, ValueError) as e:
+            raise ConfigError(f"reward.function: cannot import {r.function!r} (expected 'module:name'): {e}") from None
     if r.grader == "math":
         return [MathReward(think_gate=r.think_gate, pool=pool)]
     if r.grader == "choice":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -80,3 +81,15 @@ class Tracker:
 def read_metrics(path: str | Path) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_metrics(run_dir: str | Path, step: int) -> None:
+    """Drop logged lines of steps after `step` (they are re-run after a resume), atomically."""
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        path = Path(run_dir) / name
+        if not path.is_file():
+            continue
+        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+        tmp = path.with_name(name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)

@@ -13,7 +13,10 @@ With experience.ratio = 0 the same loop is plain GRPO (PPO clipping throughout, 
 
 from __future__ import annotations
 
+import contextlib
 import math
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -21,14 +24,16 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from exgrpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from exgrpo.config import ExGRPOConfig
 from exgrpo.data import Question, render_prompt
+from exgrpo.distributed import Distributed, init_distributed, shard
 from exgrpo.experience import ExperienceBuffer, Trajectory, num_experiential, sample_questions
 from exgrpo.experience.selection import select_index, trajectory_scores
-from exgrpo.objective import LossSettings, group_advantages, mixed_policy_loss
+from exgrpo.objective import LossSettings, group_advantages, merge_stats, mixed_policy_loss
 from exgrpo.rewards import combine_rewards
 from exgrpo.rollout import HFEngine, RolloutEngine, SamplingSettings
-from exgrpo.tracking import Tracker
+from exgrpo.tracking import Tracker, truncate_metrics
 
 WARMUP, MIXED = "warmup", "mixed"
 
@@ -108,7 +113,9 @@ class ExGRPOTrainer:
 
     def __init__(self, model, tokenizer, reward_funcs: Sequence[Callable], config: ExGRPOConfig,
                  train_dataset: Sequence[Question], reward_weights: Sequence[float] | None = None,
-                 engine: RolloutEngine | None = None):
+                 engine: RolloutEngine | None = None, distributed: Distributed | None = None):
+        self.dist = distributed or init_distributed()
+        model.to(self.dist.device)
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.reward_funcs = list(reward_funcs)
         self.reward_weights = list(reward_weights) if reward_weights is not None else [1.0] * len(self.reward_funcs)
@@ -133,6 +140,12 @@ class ExGRPOTrainer:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no trainable parameters")
+        groups_per_mini_batch = c.train.prompts_per_step // c.train.mini_batches
+        if groups_per_mini_batch < self.dist.world_size:
+            raise ValueError(f"train.prompts_per_step / train.mini_batches = {groups_per_mini_batch} questions per "
+                             f"mini-batch cannot be shared by {self.dist.world_size} data-parallel ranks")
+        # DDP averages gradients; the loss is scaled by the world size so the update equals the one-process one.
+        self.train_model = torch.nn.parallel.DistributedDataParallel(model) if self.dist.enabled else model
         self.optimizer = torch.optim.AdamW(params, lr=c.train.learning_rate, weight_decay=c.train.weight_decay,
                                            betas=(c.train.adam_beta1, c.train.adam_beta2))
         from transformers import get_scheduler
@@ -144,36 +157,62 @@ class ExGRPOTrainer:
 
     # ------------------------------------------------------------------ public
     def train(self, tracker: Tracker | None = None, on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
-        """Run until train.steps (or until every question is retired); returns per-step metrics."""
-        c = self.config
-        own_tracker = tracker is None
+        """Run until train.steps (or until every question is retired), checkpointing into logging.output_dir.
+
+        SIGINT/SIGTERM finish the current step, write a checkpoint and return. Returns per-step metrics.
+        Under data parallelism only rank 0 logs and writes checkpoints.
+        """
+        c, dp = self.config, self.dist
+        run_dir = c.logging.output_dir
+        own_tracker = tracker is None and dp.is_main
         if own_tracker:
-            tracker = Tracker(c.logging.output_dir, c.train.steps, tensorboard=c.logging.tensorboard,
-                              wandb=c.logging.wandb, progress=c.logging.progress, config=c.to_dict(),
-                              start_step=self.step)
+            tracker = Tracker(run_dir, c.train.steps, tensorboard=c.logging.tensorboard, wandb=c.logging.wandb,
+                              progress=c.logging.progress, config=c.to_dict(), start_step=self.step)
+        stop = _StopRequest()
         try:
-            while self.step < c.train.steps:
-                if self.pool.remaining == 0:
-                    tracker.print(f"[yellow]Every training question is retired (solved {self.K}/{self.K}); "
-                                  f"stopping at step {self.step}.")
-                    break
-                metrics, samples = self.train_step()
-                self.history.append(metrics)
-                tracker.log(self.step, metrics)
-                if samples:
-                    tracker.log_samples(self.step, samples)
-                if on_step is not None:
-                    on_step(self.step, metrics)
+            with stop:
+                while self.step < c.train.steps and not dp.any_true(bool(stop.requested)):
+                    if self.pool.remaining == 0:
+                        if tracker:
+                            tracker.print(f"[yellow]Every training question is retired (solved {self.K}/{self.K}); "
+                                          f"stopping at step {self.step}.")
+                        break
+                    metrics, samples = self.train_step()
+                    self.history.append(metrics)
+                    if tracker:
+                        tracker.log(self.step, metrics)
+                        if samples:
+                            tracker.log_samples(self.step, samples)
+                    if c.train.save_every and self.step % c.train.save_every == 0:
+                        self.save()
+                    if on_step is not None:
+                        on_step(self.step, metrics)
+                if stop.requested and tracker:
+                    tracker.print(f"[yellow]{stop.requested}: checkpointing at step {self.step} and exiting.")
+                latest = latest_checkpoint(run_dir)
+                if latest is None or latest.name != f"step-{self.step:06d}":
+                    self.save()
         finally:
             if own_tracker:
                 tracker.close()
         return self.history
 
+    def save(self) -> None:
+        """Checkpoint the current step (rank 0 writes; every rank waits for it)."""
+        if self.dist.is_main:
+            save_checkpoint(self, self.config.logging.output_dir, self.config.train.save_total_limit)
+        self.dist.barrier()
+
+    def resume(self, directory) -> None:
+        """Continue from a checkpoint directory (see exgrpo.checkpoint); the config must be the run's own."""
+        load_checkpoint(self, directory)
+        truncate_metrics(self.config.logging.output_dir, self.step)
+
     def train_step(self) -> tuple[dict, list[dict]]:
         c = self.config
         step_start = time.perf_counter()
         timings: dict[str, float] = {}
-        step_seed = _seed(c.train.seed, self.step)
+        dp = self.dist
         rng = np.random.default_rng([c.train.seed, self.step])
         phase = self.phase
 
@@ -194,17 +233,22 @@ class ExGRPOTrainer:
                   for qid, r in zip(exp_ids, replays)]
         groups += [Group(q, self._prompt_ids(q)) for q in fresh]
 
-        # 2. rollouts: K fresh samples per fresh question, K-1 per experiential question
+        # 2. rollouts: K fresh samples per fresh question, K-1 per experiential question; each rank samples its
+        #    shard of the groups, every rank receives all of them
         t = time.perf_counter()
-        requests = [g for g in groups for _ in range(self.K - len(g.members))]
-        rollouts = self.engine.generate([g.prompt_ids for g in requests], self.sampling, step_seed)
-        for g, ids, trunc in zip(requests, rollouts.completion_ids, rollouts.truncated):
+        start, end = dp.shard_bounds(len(groups))
+        requests = [(gi, j) for gi in range(start, end) for j in range(len(groups[gi].members), self.K)]
+        rollouts = self.engine.generate([groups[gi].prompt_ids for gi, _ in requests], self.sampling,
+                                        [_seed(c.train.seed, self.step, gi, j) for gi, j in requests])
+        sampled = dp.gather(list(zip(rollouts.completion_ids, rollouts.truncated)))
+        all_requests = [g for g in groups for _ in range(self.K - len(g.members))]
+        for g, (ids, trunc) in zip(all_requests, sampled):
             g.members.append(Member(ids, trunc))
         timings["time/rollout"] = time.perf_counter() - t
 
-        # 3. rewards and retirement
+        # 3. rewards (each rank grades its shard) and retirement
         t = time.perf_counter()
-        rewards = self._rewards(groups).reshape(len(groups), self.K)
+        rewards = np.array(dp.gather(self._rewards(groups[start:end]).tolist())).reshape(len(groups), self.K)
         correct = rewards >= c.reward.success_threshold
         timings["time/reward"] = time.perf_counter() - t
         retired_now = 0
@@ -231,8 +275,24 @@ class ExGRPOTrainer:
         self.step += 1
         metrics = self._metrics(groups, rewards, correct, batch, update_stats, timings, phase, n_exp, retired_now,
                                 time.perf_counter() - step_start)
+        if c.train.check_replicas:
+            metrics.update(self._check_replicas())
         samples = self._samples(groups, rewards) if c.logging.sample_every and self.step % c.logging.sample_every == 0 else []
         return metrics, samples
+
+    def _check_replicas(self) -> dict:
+        """Every rank's buffer and trainable-parameter hashes; they must agree."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for p in self.model.parameters():
+            if p.requires_grad:
+                h.update(p.detach().cpu().numpy().tobytes())
+        hashes = self.dist.gather([(self.buffer.fingerprint(), h.hexdigest())])
+        if len(set(hashes)) > 1:
+            raise RuntimeError(f"data-parallel replicas diverged at step {self.step}: {hashes}")
+        return {"replicas/buffer_hash": hashes[0][0], "replicas/param_hash": hashes[0][1],
+                "replicas/count": float(len(hashes))}
 
     # ------------------------------------------------------------------ pieces of a step
     def _prompt_ids(self, question: Question) -> list[int]:
@@ -253,16 +313,18 @@ class ExGRPOTrainer:
             return [cands[select_index(None, len(cands), "random", e.selection_mode, rng)]
                     for cands in candidates.values()]
         flat = [(qid, i) for qid, cands in candidates.items() for i in range(len(cands))]
-        scores = torch.empty(len(flat))
+        mine = shard(flat, self.dist)  # each rank scores a shard of the candidates
+        scores = []
         self.model.eval()
-        for start in range(0, len(flat), e.selection_batch_size):
-            chunk = flat[start : start + e.selection_batch_size]
+        for start in range(0, len(mine), e.selection_batch_size):
+            chunk = mine[start : start + e.selection_batch_size]
             batch = self._pack([(self._prompt_ids(self.pool.questions[qid]),
                                  Member(candidates[qid][i].token_ids.tolist())) for qid, i in chunk])
-            logp, entropy = self._token_logps(batch, with_entropy=e.selection_metric != "perplexity")
+            logp, entropy = self._token_logps(self.model, batch, with_entropy=e.selection_metric != "perplexity")
             values = logp if e.selection_metric == "perplexity" else entropy
-            scores[start : start + len(chunk)] = trajectory_scores(values, batch["completion_mask"], e.selection_metric)
+            scores += trajectory_scores(values, batch["completion_mask"], e.selection_metric).cpu().tolist()
         self.model.train()
+        scores = torch.tensor(self.dist.gather(scores))
         chosen, cursor = [], 0
         for qid, cands in candidates.items():
             q_scores = scores[cursor : cursor + len(cands)]
@@ -310,11 +372,11 @@ class ExGRPOTrainer:
                 "completion_ids": input_ids[:, P:], "completion_mask": attention[:, P:].float(),
                 "replay_mask": replay, "recorded_logp": recorded}
 
-    def _token_logps(self, batch: dict, with_entropy: bool, rows: slice | torch.Tensor = slice(None)):
+    def _token_logps(self, model, batch: dict, with_entropy: bool, rows: slice | torch.Tensor = slice(None)):
         """(n, T) log-probs of the completion tokens under the policy (at the rollout temperature), and entropies."""
         T = batch["completion_ids"].shape[1]
-        device = self.model.device
-        out = self.model(input_ids=batch["input_ids"][rows].to(device),
+        device = self.dist.device
+        out = model(input_ids=batch["input_ids"][rows].to(device),
                          attention_mask=batch["attention_mask"][rows].to(device),
                          position_ids=batch["position_ids"][rows].to(device), logits_to_keep=T + 1, use_cache=False)
         logits = out.logits[:, :-1].float() / self.config.rollout.temperature
@@ -336,57 +398,73 @@ class ExGRPOTrainer:
     def _update(self, batch: dict, advantages: torch.Tensor, phase: str, timings: dict) -> tuple[dict, torch.Tensor]:
         """M mini-batches of whole groups, gradient accumulation over micro-batches, one optimizer step each.
 
-        Returns the averaged loss statistics and the pre-update log-probs (the behaviour log-probs to record).
+        Each rank works on its shard of every mini-batch's groups. Returns the averaged loss statistics and the
+        pre-update log-probs of the whole batch (the behaviour log-probs to record).
         """
-        c = self.config
+        c, dp = self.config, self.dist
         settings = self._loss_settings(phase)
         if c.objective.kl_coef:
             raise ValueError("objective.kl_coef > 0 needs a reference model, which this trainer does not load yet")
-        N = batch["input_ids"].shape[0]
         mask = batch["completion_mask"]
-        num_groups = N // self.K
-        order = torch.from_numpy(np.random.default_rng([c.train.seed, self.step, 2]).permutation(num_groups))
-        minis = [torch.cat([torch.arange(g * self.K, (g + 1) * self.K) for g in chunk.tolist()])
-                 for chunk in order.chunk(c.train.mini_batches)]
+        num_groups = mask.shape[0] // self.K
+        order = np.random.default_rng([c.train.seed, self.step, 2]).permutation(num_groups)
+        minis = []  # (all rows of the mini-batch, this rank's rows)
+        for chunk in np.array_split(order, c.train.mini_batches):
+            rows = [torch.arange(g * self.K, (g + 1) * self.K) for g in chunk.tolist()]
+            start, end = dp.shard_bounds(len(rows))
+            minis.append((torch.cat(rows), torch.cat(rows[start:end])))
+        my_rows = torch.cat([mine for _, mine in minis])
         old_logp = torch.zeros_like(mask)
         t = time.perf_counter()
         if c.train.mini_batches > 1:  # later mini-batches need the pre-update log-probs of the whole batch
             self.model.eval()
             with torch.no_grad():
-                for rows in torch.arange(N).split(c.train.micro_batch_size):
-                    old_logp[rows] = self._token_logps(batch, False, rows)[0].cpu()
+                for rows in my_rows.split(c.train.micro_batch_size):
+                    old_logp[rows] = self._token_logps(self.model, batch, False, rows)[0].cpu()
             self.model.train()
         timings["time/logprob"] = time.perf_counter() - t
         t = time.perf_counter()
-        stats_sum: dict[str, float] = {}
-        stats_n: dict[str, int] = {}
+        parts: list[dict] = []
+        loss_sum = 0.0
         grad_norms = []
-        self.model.train()
-        for mini in minis:
-            total_tokens = float(mask[mini].sum())
-            for rows in mini.split(c.train.micro_batch_size):
-                logp, entropy = self._token_logps(batch, True, rows)
-                if c.train.mini_batches == 1:  # the training forward *is* the pre-update forward
-                    old_logp[rows] = logp.detach().cpu()
-                old = old_logp[rows].to(logp.device)
-                recorded = torch.where(batch["replay_mask"][rows], batch["recorded_logp"][rows], old_logp[rows]) \
-                    if c.experience.importance_correction else old_logp[rows]
-                loss, stats = mixed_policy_loss(
-                    logp, old, recorded.to(logp.device), advantages[rows].to(logp.device), mask[rows].to(logp.device),
-                    batch["replay_mask"][rows].to(logp.device), settings, entropy=entropy,
-                    total_tokens=total_tokens, total_sequences=float(len(mini)),
-                )
-                loss.backward()
-                stats["loss"] = loss.item()
-                for k, v in stats.items():
-                    stats_sum[k] = stats_sum.get(k, 0.0) + v
-                    stats_n[k] = stats_n.get(k, 0) + 1
+        self.train_model.train()
+        for mini, mine in minis:
+            totals = {"total_tokens": float(mask[mini].sum()), "total_sequences": float(len(mini))}
+            micro = mine.split(c.train.micro_batch_size)
+            for i, rows in enumerate(micro):
+                # DDP all-reduces gradients on the last backward of a mini-batch only
+                sync = contextlib.nullcontext() if not dp.enabled or i == len(micro) - 1 else self.train_model.no_sync()
+                with sync:
+                    logp, entropy = self._token_logps(self.train_model, batch, True, rows)
+                    if c.train.mini_batches == 1:  # the training forward *is* the pre-update forward
+                        old_logp[rows] = logp.detach().cpu()
+                    recorded = torch.where(batch["replay_mask"][rows], batch["recorded_logp"][rows], old_logp[rows]) \
+                        if c.experience.importance_correction else old_logp[rows]
+                    device = logp.device
+                    loss, stats = mixed_policy_loss(
+                        logp, old_logp[rows].to(device), recorded.to(device), advantages[rows].to(device),
+                        mask[rows].to(device), batch["replay_mask"][rows].to(device), settings, entropy=entropy,
+                        **totals,
+                    )
+                    (loss * dp.world_size).backward()
+                loss_sum += loss.item()
+                parts.append(stats)
             grad_norms.append(self._optimizer_step())
         timings["time/update"] = time.perf_counter() - t
-        update_stats = {k: stats_sum[k] / stats_n[k] for k in stats_sum if k not in ("fresh_tokens", "replay_tokens")}
-        update_stats["loss"] = stats_sum.get("loss", 0.0)  # summed over micro-batches, as optimised
+        gathered = dp.gather([(parts, loss_sum)])
+        update_stats = merge_stats([p for ps, _ in gathered for p in ps])
+        update_stats["loss"] = sum(loss for _, loss in gathered)  # as optimised: summed over micro-batches
         update_stats["grad_norm"] = float(np.mean(grad_norms))
+        if dp.enabled:
+            old_logp = self._gather_rows(old_logp, my_rows)
         return update_stats, old_logp
+
+    def _gather_rows(self, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows of `values` assembled into one tensor on every rank."""
+        out = values.clone()
+        for index, part in self.dist.gather([(rows.tolist(), values[rows])]):
+            out[index] = part
+        return out
 
     def _optimizer_step(self) -> float:
         c = self.config.train
@@ -457,5 +535,29 @@ class ExGRPOTrainer:
         return out
 
 
-def _seed(seed: int, step: int) -> int:
-    return int(np.random.default_rng([seed, step, 3]).integers(2**31 - 1))
+class _StopRequest:
+    """Turns the first SIGINT/SIGTERM into a request to stop after the current step; a second one interrupts."""
+
+    def __init__(self):
+        self.requested: str | None = None
+        self._previous: dict = {}
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _seed(*keys: int) -> int:
+    """A 63-bit seed derived from integer keys (e.g. run seed, step, group, member)."""
+    return int(np.random.SeedSequence(list(keys)).generate_state(1, np.uint64)[0] >> 1)

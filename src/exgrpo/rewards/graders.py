@@ -1,4 +1,4 @@
-"""Answer graders: math-verify for math answers (spec §6) and a letter grader for multiple choice (ARC-c, GPQA)."""
+"""Answer graders: math-verify for math answers and an option grader for multiple choice (ARC-c, GPQA)."""
 
 from __future__ import annotations
 
@@ -33,12 +33,23 @@ def grade_math(completion: str, gold: str, think_gate: bool = False) -> float:
         return 0.0
 
 
-_ANSWER_LINE = re.compile(r"answer\s*:\s*\(?\s*([a-z])\s*\)?\.?", re.IGNORECASE)
+def grade_math_boxed(completion: str, gold: str) -> float:
+    """The paper's evaluation label (spec §8, OAT grader): math-verify on the last \\boxed{...} only; no box is 0.0.
+
+    Unlike `grade_math`, neither an earlier box nor a bare number elsewhere in the text counts. The OAT grader's
+    own string/sympy checks are not reproduced: math-verify alone decides equality.
+    """
+    boxed = last_boxed(completion)
+    return 0.0 if boxed is None else grade_math("\\boxed{" + boxed + "}", gold)
+
+
+# An option label: a letter (A-D, sometimes E) or, in 22 ARC-c rows, a digit 1-4.
+_ANSWER_LINE = re.compile(r"answer\s*:\s*\(?\s*([a-z0-9])\s*\)?\.?", re.IGNORECASE)
 # Wrappers a model puts around a boxed letter: \text{C}, \textbf{(C)}, \mathrm{C}, $C$.
 _LETTER_NOISE = re.compile(r"\\[A-Za-z]+|[{}()$.\s]")
 
 
-def _last_boxed(text: str) -> str | None:
+def last_boxed(text: str) -> str | None:
     """Content of the last \\boxed{...}, with nested braces balanced; None if there is none."""
     start = text.rfind("\\boxed{")
     if start < 0:
@@ -51,16 +62,22 @@ def _last_boxed(text: str) -> str | None:
     return None
 
 
-def grade_choice(completion: str, gold: str) -> float:
-    """1.0 if the chosen letter equals `gold` (case-insensitive), else 0.0.
+def choice_letter(completion: str) -> str:
+    """The option a completion chooses, upper-cased; "" if none.
 
-    The choice is the letter in the last \\boxed{...}; if that box holds no single letter (or there is none),
-    it is a last line of the form "ANSWER: X" (the GPQA prompt's format).
+    The option is the single letter or digit in the last \\boxed{...}; if that box holds none (or there is no
+    box), it is a last line of the form "ANSWER: X" (the GPQA prompt's format).
     """
-    boxed = _last_boxed(completion)
-    letter = _LETTER_NOISE.sub("", boxed) if boxed is not None else ""
-    if not re.fullmatch(r"[A-Za-z]", letter):
+    boxed = last_boxed(completion)
+    label = _LETTER_NOISE.sub("", boxed) if boxed is not None else ""
+    if not re.fullmatch(r"[A-Za-z0-9]", label):
         lines = completion.strip().splitlines()
         match = _ANSWER_LINE.fullmatch(lines[-1].strip()) if lines else None
-        letter = match.group(1) if match else ""
-    return float(letter != "" and letter.upper() == gold.strip().strip("()").upper())
+        label = match.group(1) if match else ""
+    return label.upper()
+
+
+def grade_choice(completion: str, gold: str) -> float:
+    """1.0 if the chosen option (see `choice_letter`) equals `gold` (a letter, case-insensitive, or a digit)."""
+    label = choice_letter(completion)
+    return float(label != "" and label == gold.strip().strip("()").upper())

@@ -1,0 +1,298 @@
+"""Tests for the evaluation protocol: benchmark registry and loaders, graders on the real golds, metrics, CLI."""
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from exgrpo.benchmarks import BENCHMARKS, ENV_DATA, load_benchmarks, resolve_benchmarks
+from exgrpo.cli import main
+from exgrpo.data import Question
+from exgrpo.eval_run import group_averages, markdown_table
+from exgrpo.evaluation import (EvalProtocol, avg_at_k, benchmark_metrics, evaluate_questions, extract_answer,
+                               grader_for, grading_text, heldout_metrics, mean_pass_at_k, pass_at_k, report_ks,
+                               request_seed)
+from exgrpo.rewards import GradingPool
+from exgrpo.rollout import Rollouts
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT.parent / "shared" / "data" / "benchmarks"
+needs_bench = pytest.mark.skipif(not BENCH.is_dir(), reason=f"benchmark parquet files not found at {BENCH}")
+
+# (rows, distinct questions) per benchmark, from shared/data/benchmarks/README.md
+README_COUNTS = {"aime24": (960, 30), "aime25": (960, 30), "amc": (2656, 83), "math500": (500, 500),
+                 "minerva": (272, 272), "olympiad": (675, 675), "arc_c": (1172, 1172), "gpqa": (198, 198)}
+
+# Golds that do not grade correct against themselves, documented in docs/evaluation.md. This Minerva gold has a
+# stray "$ $" inside, so wrapped in "$...$" it reads as two formulas and math-verify keeps only the second one.
+KNOWN_GAPS = {"minerva": {r"x_{0} \cos (\omega t)+$ $\dot{x}_{0} \sin (\omega t) / \omega"}}
+
+
+@pytest.fixture(scope="module")
+def bench_data():
+    return {d.benchmark.name: d for d in load_benchmarks(list(BENCHMARKS.values()), BENCH)}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with GradingPool(num_workers=2) as p:
+        yield p
+
+
+# --- registry and loaders on the real files ----------------------------------------------------------------------
+
+
+@needs_bench
+def test_rows_and_distinct_questions_match_the_data_readme(bench_data):
+    counts = {name: (d.rows, len(d.items)) for name, d in bench_data.items()}
+    assert counts == README_COUNTS
+
+
+@needs_bench
+def test_paper_preset_samples_are_the_replication_in_test_id(bench_data):
+    for name, d in bench_data.items():
+        assert {n for _, n in d.items} == {BENCHMARKS[name].paper_samples}, name
+
+
+@needs_bench
+def test_a_single_file_gives_each_benchmark_its_data_source_rows():
+    (aime, math500) = load_benchmarks(resolve_benchmarks("aime24,math500"), BENCH / "valid.parquet")
+    assert (aime.rows, len(aime.items), math500.rows) == (240, 30, 500)  # valid.parquet: AIME ×8
+    with pytest.raises(Exception, match="benchmark 'gpqa'.*no rows with data_source 'gpqa'"):
+        load_benchmarks(resolve_benchmarks("gpqa"), BENCH / "valid.parquet")
+
+
+def test_missing_data_names_the_option(monkeypatch, tmp_path):
+    monkeypatch.delenv(ENV_DATA, raising=False)
+    with pytest.raises(FileNotFoundError, match="pass --data DIR"):
+        load_benchmarks(resolve_benchmarks("math500"))
+    with pytest.raises(FileNotFoundError, match="benchmark 'gpqa' needs ood.gpqa.parquet"):
+        load_benchmarks(resolve_benchmarks("gpqa"), tmp_path)
+
+
+def test_resolve_benchmarks():
+    assert [b.name for b in resolve_benchmarks("id")] == ["aime24", "aime25", "amc", "math500", "minerva", "olympiad"]
+    assert [b.name for b in resolve_benchmarks("gpqa, math500")] == ["math500", "gpqa"]  # registry order
+    assert len(resolve_benchmarks("all")) == 8 and [b.name for b in resolve_benchmarks("ood")] == ["arc_c", "gpqa"]
+    with pytest.raises(ValueError, match="unknown benchmark 'math'"):
+        resolve_benchmarks("math")
+
+
+# --- graders on every real gold ----------------------------------------------------------------------------------
+
+
+def _grade_golds(pool, data, completions_from):
+    golds = [q.answer for q in data.questions]
+    grader = grader_for(data.benchmark.kind, EvalProtocol())
+    return golds, pool.grade(grader, ["\\boxed{" + g + "}" for g in completions_from(golds)], golds)
+
+
+def _derangement(n: int, seed: int) -> list[int]:
+    """A seeded permutation without fixed points: each question gets another question's gold."""
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    perm = [0] * n
+    for j, i in enumerate(order):
+        perm[i] = order[(j + 1) % n]
+    return perm
+
+
+@pytest.mark.slow
+@needs_bench
+@pytest.mark.parametrize("name", list(BENCHMARKS))
+def test_every_gold_grades_correct_against_itself(bench_data, pool, name):
+    golds, grades = _grade_golds(pool, bench_data[name], lambda gs: gs)
+    failed = {g for g, x in zip(golds, grades) if x != 1.0}
+    print(f"\n{name}: gold as completion {int(sum(grades))}/{len(golds)} correct; failing: {sorted(failed)}")
+    assert failed == KNOWN_GAPS.get(name, set())
+
+
+@pytest.mark.slow
+@needs_bench
+@pytest.mark.parametrize("name", list(BENCHMARKS))
+def test_shuffled_golds_grade_near_zero(bench_data, pool, name):
+    perm = _derangement(len(bench_data[name].items), seed=0)
+    golds, grades = _grade_golds(pool, bench_data[name], lambda gs: [gs[j] for j in perm])
+    same = sum(golds[i] == golds[j] for i, j in enumerate(perm))  # another question with the very same gold
+    print(f"\n{name}: shuffled golds {int(sum(grades))}/{len(golds)} correct; identical gold strings {same}")
+    if BENCHMARKS[name].kind == "choice":  # a letter is right exactly when the other question's letter is the same
+        assert sum(grades) == same
+    else:  # equal values written differently (e.g. 0.5 and \frac12) may match too, but rarely
+        assert same <= sum(grades) <= same + 0.01 * len(golds)
+
+
+# --- metrics -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("n", "c", "k", "expected"), [
+    (5, 0, 1, 0.0),
+    (5, 5, 3, 1.0),
+    (4, 1, 1, 0.25),
+    (4, 2, 2, 1 - 1 / 6),  # 1 - C(2,2)/C(4,2)
+    (10, 3, 5, 1 - 21 / 252),  # 1 - C(7,5)/C(10,5)
+    (32, 1, 32, 1.0),
+    (32, 0, 32, 0.0),
+])
+def test_pass_at_k_hand_computed(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+def test_pass_at_k_is_stable_for_large_n():
+    assert pass_at_k(1000, 1, 1) == pytest.approx(0.001)
+    exact = 1 - math.comb(900, 500) / math.comb(1000, 500)  # Python's exact integers as reference
+    assert pass_at_k(1000, 100, 500) == pytest.approx(exact, rel=1e-12)
+    with pytest.raises(ValueError):
+        pass_at_k(4, 5, 1)
+
+
+def test_avg_and_pass_at_k_of_a_correctness_matrix():
+    correct = np.array([[1, 0, 1, 1], [0, 0, 0, 0], [0, 1, 0, 0]], dtype=bool)
+    assert avg_at_k(correct) == pytest.approx(4 / 12)
+    # pass@2 per question: 1 - C(1,2)/C(4,2) = 1; 0; 1 - C(3,2)/C(4,2) = 1/2
+    assert mean_pass_at_k(correct, 2) == pytest.approx((1 + 0 + 0.5) / 3)
+    assert benchmark_metrics(correct) == pytest.approx(
+        {"avg@4": 4 / 12, "pass@1": 4 / 12, "pass@2": 0.5, "pass@4": 2 / 3})
+    assert report_ks(32) == [1, 2, 4, 8, 16, 32] and report_ks(1) == [1] and report_ks(6) == [1, 2, 4, 6]
+
+
+def test_averages_and_table_blank_the_benchmarks_not_run():
+    res = {"aime24": {"samples": 32, "metrics": {"avg@32": 0.25}},
+           "math500": {"samples": 1, "metrics": {"avg@1": 0.5}},
+           "gpqa": {"samples": 1, "metrics": {"avg@1": 0.3}}}
+    summary = {"model": "m", "benchmarks": res, **group_averages(res)}
+    assert summary["id_avg"] == pytest.approx(0.375) and summary["ood_avg"] == pytest.approx(0.3)
+    lines = markdown_table([summary, {**summary, "model": "n"}]).splitlines()
+    assert lines[0] == ("| Model | AIME24 | AIME25 | AMC | MATH-500 | Minerva | Olympiad | Avg | ARC-c | GPQA "
+                        "| OOD Avg |")
+    assert lines[2] == "| m | 25.0 |  |  | 50.0 |  |  | 37.5* |  | 30.0 | 30.0* |"
+    assert lines[3].startswith("| n |") and "average over the benchmarks run only" in lines[-1]
+
+
+# --- protocol, grading and the evaluation loop -------------------------------------------------------------------
+
+
+def test_think_prefix_and_gate():
+    p, gated = EvalProtocol(), EvalProtocol(think_gate=True)
+    assert grading_text("...assistant\n<think>\n", "a </think> \\boxed{1}", p) == "<think>\na </think> \\boxed{1}"
+    assert grading_text("...assistant\n", "a \\boxed{1}", p) == "a \\boxed{1}"
+    assert grading_text("x<think>\n", "a </think> \\boxed{1} </think> 2", gated) == " \\boxed{1} "
+    assert grading_text("x<think>\n", "\\boxed{1} with no closing tag", gated) == ""
+
+
+def test_extract_answer_is_what_is_graded():
+    assert extract_answer("so \\boxed{3} then \\boxed{\\frac{1}{2}}", "math") == "\\frac{1}{2}"
+    assert extract_answer("no box: 12", "math") == ""
+    assert extract_answer("\\boxed{\\text{(b)}}", "choice") == "B"
+    assert extract_answer("thinking\nANSWER: 3", "choice") == "3"
+
+
+class EchoTokenizer:
+    """One token per character; the chat template is the user text plus a marker."""
+
+    chat_template = "echo"
+
+    def apply_chat_template(self, msgs, tokenize, add_generation_prompt):
+        return "".join(m["content"] for m in msgs) + "|"
+
+    def __call__(self, text, add_special_tokens):
+        return {"input_ids": [ord(ch) for ch in text]}
+
+    def decode(self, ids, skip_special_tokens):
+        return "".join(map(chr, ids))
+
+
+class ScriptedEngine:
+    """Answers question "q<i>" with \\boxed{<i>} on even samples and \\boxed{wrong} on odd ones."""
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, prompt_ids, sampling, seeds):
+        self.calls.append((len(prompt_ids), sampling, list(seeds)))
+        counts: dict[str, int] = {}
+        out = []
+        for ids in prompt_ids:
+            prompt = "".join(map(chr, ids))
+            n = counts[prompt] = counts.get(prompt, -1) + 1
+            out.append([ord(ch) for ch in ("\\boxed{%s}" % prompt[1:-1] if n % 2 == 0 else "\\boxed{wrong}")])
+        return Rollouts(out, [False] * len(out))
+
+
+def _questions(n, source="heldout"):
+    return [Question(f"{source}/{i}", ({"role": "system", "content": "S"}, {"role": "user", "content": f"q{i}"}),
+                     str(i), {"data_source": source}) for i in range(n)]
+
+
+def test_evaluate_questions_grades_every_sample_in_batches():
+    engine, batches = ScriptedEngine(), []
+    result = evaluate_questions(engine, EchoTokenizer(), _questions(3), name="toy", kind="math", samples=4,
+                                protocol=EvalProtocol(max_new_tokens=16), pool=GradingPool(num_workers=0), seed=7,
+                                batch_size=4, on_batch=batches.append)
+    assert result.correct.tolist() == [[True, False, True, False]] * 3  # the system message was removed
+    assert [c[0] for c in engine.calls] == [4, 4, 4]
+    assert engine.calls[0][1].temperature == 0.6 and engine.calls[0][1].max_new_tokens == 16
+    seeds = [s for c in engine.calls for s in c[2]]
+    assert len(set(seeds)) == 12 and seeds[:4] == [request_seed(7, 0, s) for s in range(4)]
+    records = [r for b in batches for r in b]
+    expected = [(f"heldout/{i}", s) for i in range(3) for s in range(4)]
+    assert sorted((r.question_id, r.sample) for r in records) == expected
+    first = next(r for r in records if (r.question_id, r.sample) == ("heldout/2", 0))
+    assert (first.completion, first.answer, first.gold, first.grade) == ("\\boxed{2}", "2", "2", 1.0)
+    assert result.metrics()["avg@4"] == 0.5 and result.metrics()["pass@2"] == pytest.approx(1 - 1 / 6)
+
+
+def test_heldout_metrics_names_and_test_set_guard():
+    args = (ScriptedEngine(), EchoTokenizer())
+    metrics = heldout_metrics(*args, {"toy": _questions(2) * 3}, GradingPool(num_workers=0), EvalProtocol(), samples=2)
+    assert metrics["eval/toy/avg@2"] == 0.5 and metrics["eval/toy/pass@2"] == 1.0  # replicas collapsed: 2 questions
+    assert set(metrics) == {"eval/toy/avg@2", "eval/toy/pass@1", "eval/toy/pass@2", "eval/toy/truncated",
+                            "eval/toy/completion_tokens"}
+    with pytest.raises(ValueError, match="benchmark test questions.*aime"):
+        heldout_metrics(*args, {"v": _questions(2, source="aime")}, GradingPool(num_workers=0), EvalProtocol())
+    allowed = heldout_metrics(*args, {"v": _questions(2, source="aime")}, GradingPool(num_workers=0), EvalProtocol(),
+                              allow_test_set=True)
+    assert allowed["eval/v/avg@1"] == 1.0
+
+
+# --- the command line --------------------------------------------------------------------------------------------
+
+
+def test_eval_without_data_tells_the_user_to_pass_it(monkeypatch, capsys):
+    monkeypatch.delenv(ENV_DATA, raising=False)
+    assert main(["eval", "--model", "tiny", "--benchmarks", "math500"]) == 2
+    assert "pass --data DIR" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["eval", "--model", "tiny", "--samples", "0"])
+
+
+@pytest.mark.slow
+@needs_bench
+def test_eval_cli_end_to_end_with_two_models(tmp_path):
+    out = tmp_path / "eval"
+    cmd = [sys.executable, "-m", "exgrpo", "eval", "--model", "tiny", "--model", "tiny:1", "--benchmarks",
+           "math500,gpqa", "--data", str(BENCH), "--limit", "2", "--samples", "2", "--max-new-tokens", "8",
+           "--workers", "1", "--output", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    table = proc.stdout.strip().splitlines()
+    assert table[0].startswith("| Model | AIME24 |")
+    assert [row.split("|")[1].strip() for row in table[2:4]] == ["tiny", "tiny:1"]
+    for model in ("tiny", "tiny_1"):
+        lines = [json.loads(x) for x in (out / model / "generations.jsonl").read_text().splitlines()]
+        assert len(lines) == 2 * 2 * 2  # benchmarks × questions × samples
+        assert set(lines[0]) == {"benchmark", "question_id", "sample", "completion", "answer", "gold", "grade",
+                                 "truncated", "completion_tokens"}
+        assert {(x["benchmark"], x["sample"]) for x in lines} == {(b, s) for b in ("math500", "gpqa") for s in (0, 1)}
+        summary = json.loads((out / model / "summary.json").read_text())
+        assert summary["benchmarks"]["gpqa"]["samples"] == 2 and "pass@2" in summary["benchmarks"]["gpqa"]["metrics"]
+    run = json.loads((out / "summary.json").read_text())
+    assert [m["model"] for m in run["models"]] == ["tiny", "tiny:1"] and run["protocol"]["temperature"] == 0.6
+    results = (out / "results.md").read_text()
+    assert "exgrpo eval --model tiny" in results and table[0] in results
