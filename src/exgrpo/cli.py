@@ -96,7 +96,6 @@ def _demo(args, overrides) -> int:
 def _eval(args, argv: list[str]) -> int:
     """The paper's evaluation protocol (spec §8) for one or more models; prints the paper's table."""
     from exgrpo.benchmarks import load_benchmarks, load_benchmarks_hf, resolve_benchmarks
-    from exgrpo.data import DataError
     from exgrpo.eval_run import run_eval
     from exgrpo.evaluation import THINK, EvalProtocol
     from exgrpo.models import PolicyNotFoundError
@@ -105,7 +104,7 @@ def _eval(args, argv: list[str]) -> int:
     try:
         benchmarks = resolve_benchmarks(args.benchmarks)
         data = load_benchmarks_hf(benchmarks) if args.hf else load_benchmarks(benchmarks, args.data)
-    except (ValueError, FileNotFoundError, ImportError, DataError) as e:
+    except (ValueError, FileNotFoundError, ImportError) as e:  # DataError is a ValueError
         print(f"exgrpo eval: {e}", file=sys.stderr)
         return 2
     if args.limit:

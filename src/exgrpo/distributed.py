@@ -31,7 +31,7 @@ class Distributed:
 
     @property
     def device(self) -> torch.device:
-        if torch.cuda.is_available() and os.environ.get("EXGRPO_DEVICE", "") != "cpu":
+        if torch.cuda.is_available():
             return torch.device("cuda", self.local_rank)
         return torch.device("cpu")
 

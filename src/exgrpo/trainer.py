@@ -229,8 +229,9 @@ class ExGRPOTrainer:
         replays = self._select_replays(exp_ids, rng)
         timings["time/selection"] = time.perf_counter() - t
         fresh = self.pool.draw(c.train.prompts_per_step - len(exp_ids))
-        groups = [Group(self.pool.questions[qid], self._prompt_ids(self.pool.questions[qid]), [Member(r.token_ids.tolist(), replay=r)])
-                  for qid, r in zip(exp_ids, replays)]
+        exp_questions = [self.pool.questions[qid] for qid in exp_ids]
+        groups = [Group(q, self._prompt_ids(q), [Member(r.token_ids.tolist(), replay=r)])
+                  for q, r in zip(exp_questions, replays)]
         groups += [Group(q, self._prompt_ids(q)) for q in fresh]
 
         # 2. rollouts: K fresh samples per fresh question, K-1 per experiential question; each rank samples its
@@ -258,7 +259,7 @@ class ExGRPOTrainer:
                 self.buffer.retire(g.question.id)
                 retired_now += 1
 
-        # 4. behaviour log-probs (pre-update forward) and collection
+        # 4-5. advantages; behaviour log-probs (pre-update forward) and the update; collection into the buffer
         batch = self._pack([(g.prompt_ids, m) for g in groups for m in g.members])
         advantages = group_advantages(torch.tensor(rewards, dtype=torch.float32), c.objective.scale_rewards).reshape(-1)
         update_stats, old_logp = self._update(batch, advantages, phase, timings)
@@ -277,8 +278,8 @@ class ExGRPOTrainer:
                                 time.perf_counter() - step_start)
         if c.train.check_replicas:
             metrics.update(self._check_replicas())
-        samples = self._samples(groups, rewards) if c.logging.sample_every and self.step % c.logging.sample_every == 0 else []
-        return metrics, samples
+        log_samples = c.logging.sample_every and self.step % c.logging.sample_every == 0
+        return metrics, self._samples(groups, rewards) if log_samples else []
 
     def _check_replicas(self) -> dict:
         """Every rank's buffer and trainable-parameter hashes; they must agree."""
