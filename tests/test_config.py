@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -87,3 +88,20 @@ def test_cli_config_error_exit_code(tmp_path):
     result = subprocess.run([sys.executable, "-m", "exgrpo", "train", "train.stpes=3"], capture_output=True,
                             text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 2 and "unknown config field 'train.stpes'" in result.stderr
+
+
+def test_cli_demo_tiny_writes_report(tmp_path):
+    out = tmp_path / "demo"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}  # for toy_rewards
+    result = subprocess.run(
+        [sys.executable, "-m", "exgrpo", "demo", "--config", str(ROOT / "configs" / "tiny.yaml"),
+         f"logging.output_dir={out}", "logging.progress=false", "eval.every=2",
+         "reward.function=toy_rewards:first_char_is_lowercase"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "held-out accuracy before" in result.stdout and "held-out accuracy after" in result.stdout
+    report = (out / "report.md").read_text()
+    assert "| steps | 4 |" in report
+    for png in ("reward.png", "heldout_accuracy.png", "buckets.png"):
+        assert (out / png).stat().st_size > 1000

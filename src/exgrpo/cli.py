@@ -43,39 +43,29 @@ def _train(args, overrides) -> int:
 
 
 def _demo(args, overrides) -> int:
-    """Held-out accuracy before, ExGRPO training, held-out accuracy after, a table and a report."""
+    """Held-out accuracy before, ExGRPO training (with periodic held-out evaluation), after, a table and a report."""
     from exgrpo.report import before_after_rows, write_report
     from exgrpo.run import build_run
-    from exgrpo.tracking import Tracker
 
     console = Console()
     start = time.perf_counter()
     config = load_config(args.config, overrides)
     console.print(f"[bold]exgrpo demo[/]: {config.model.name} on {config.data.train}")
     run = build_run(config)
+    trainer = run.trainer
     try:
-        console.print(f"evaluating {len(run.holdout)} held-out questions × {config.eval.samples} samples ...")
-        before = run.evaluate()
+        console.print(f"evaluating {len(trainer.eval_dataset)} held-out questions × {config.eval.samples} samples ...")
+        before = trainer.evaluate()
         console.print(f"before training: {before}")
-        evaluations = [(0, before)]
-        tracker = Tracker(config.logging.output_dir, config.train.steps, tensorboard=config.logging.tensorboard,
-                          progress=config.logging.progress, config=config.to_dict())
-
-        def on_step(step: int, metrics: dict) -> None:
-            if config.eval.every and step % config.eval.every == 0 and step < config.train.steps:
-                acc = run.evaluate(seed_offset=step)
-                evaluations.append((step, acc))
-                tracker.log(step, {"eval/accuracy": acc.mean, "eval/stderr": acc.stderr})
-                tracker.print(f"step {step}: held-out {acc}")
-
-        try:
-            history = run.trainer.train(tracker, on_step)
-        finally:
-            tracker.close()
-        after = run.evaluate(seed_offset=len(history))
-        evaluations.append((len(history), after))
+        history = trainer.train()
+        ends_with_eval = bool(history) and "eval/accuracy" in history[-1]
+        after = trainer.last_evaluation if ends_with_eval else trainer.evaluate()
     finally:
         run.close()
+    evaluations = [(0, before.mean)] + [(i + 1, m["eval/accuracy"]) for i, m in enumerate(history)
+                                         if "eval/accuracy" in m]
+    if not ends_with_eval:
+        evaluations.append((len(history), after.mean))
     wall = time.perf_counter() - start
     table = Table(title="ExGRPO demo: held-out sampled accuracy")
     table.add_column("")

@@ -219,12 +219,13 @@ class Accuracy:
 
 def evaluate_accuracy(engine: RolloutEngine, tokenizer, questions: Sequence[Question], reward_funcs: Sequence[Callable],
                       sampling: SamplingSettings, samples: int, seed: int, success_threshold: float = 1.0,
-                      render: Callable[[Question], str] | None = None) -> Accuracy:
-    """avg@samples with its standard error over questions."""
+                      prompt_ids_of: Callable[[Question], list[int]] | None = None) -> Accuracy:
+    """avg@samples, graded by the reward functions, with its standard error over questions."""
     if not questions:
         raise ValueError("no held-out questions to evaluate")
-    render = render or (lambda q: render_prompt(tokenizer, q.messages))
-    prompt_ids = [tokenizer(render(q), add_special_tokens=False)["input_ids"] for q in questions]
+    prompt_ids_of = prompt_ids_of or (
+        lambda q: tokenizer(render_prompt(tokenizer, q.messages), add_special_tokens=False)["input_ids"])
+    prompt_ids = [prompt_ids_of(q) for q in questions]
     requests = [(i, s) for i in range(len(questions)) for s in range(samples)]
     seeds = [request_seed(seed, i, s) for i, s in requests]
     out = engine.generate([prompt_ids[i] for i, _ in requests], sampling, seeds)

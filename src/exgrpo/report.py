@@ -41,14 +41,14 @@ def _plot(path: Path, series: dict[str, tuple[list, list]], title: str, ylabel: 
     plt.close(fig)
 
 
-def write_report(run_dir: str | Path, history: list[dict], evaluations: list[tuple[int, Accuracy]],
+def write_report(run_dir: str | Path, history: list[dict], evaluations: list[tuple[int, float]],
                  before: Accuracy, after: Accuracy, wall_seconds: float, command: str) -> Path:
     run_dir = Path(run_dir)
     steps = list(range(1, len(history) + 1))
     _plot(run_dir / "reward.png", {"batch reward": (steps, [m["reward"] for m in history])},
           "Training reward (batch mean)", "reward")
     _plot(run_dir / "heldout_accuracy.png",
-          {"held-out accuracy": ([s for s, _ in evaluations], [a.mean for _, a in evaluations])},
+          {"held-out accuracy": ([s for s, _ in evaluations], [a for _, a in evaluations])},
           "Held-out sampled accuracy", "accuracy")
     buckets = sorted({int(k.rsplit("_", 1)[1]) for m in history for k in m if k.startswith("experience/bucket_")})
     _plot(run_dir / "buckets.png",

@@ -10,11 +10,9 @@ from pathlib import Path
 import torch
 
 from exgrpo.config import ConfigError, ExGRPOConfig
-from exgrpo.data import Question, load_questions, render_prompt, split_holdout
-from exgrpo.evaluation import Accuracy, evaluate_accuracy
+from exgrpo.data import load_questions, split_holdout
 from exgrpo.models import LoraSettings, load_policy
 from exgrpo.rewards import ChoiceReward, GradingPool, MathReward, ReasoningGymReward
-from exgrpo.rollout import SamplingSettings
 from exgrpo.trainer import ExGRPOTrainer
 
 
@@ -22,21 +20,7 @@ from exgrpo.trainer import ExGRPOTrainer
 class Run:
     config: ExGRPOConfig
     trainer: ExGRPOTrainer
-    holdout: list[Question]
-    reward_funcs: list
     grading_pool: GradingPool
-
-    def evaluate(self, seed_offset: int = 0) -> Accuracy:
-        c = self.config
-        questions = self.holdout[: c.eval.max_questions] if c.eval.max_questions else self.holdout
-        sampling = SamplingSettings(c.rollout.max_completion_length, c.eval.temperature, c.rollout.top_p,
-                                    c.rollout.top_k)
-        d = c.data
-        render = lambda q: render_prompt(self.trainer.tokenizer, q.messages, remove_system=d.remove_system,  # noqa: E731
-                                         system_prompt=d.system_prompt, think_prefix=d.think_prefix)
-        return evaluate_accuracy(self.trainer.engine, self.trainer.tokenizer, questions, self.reward_funcs, sampling,
-                                 c.eval.samples, seed=c.train.seed + 10_000 + seed_offset,
-                                 success_threshold=c.reward.success_threshold, render=render)
 
     def close(self) -> None:
         self.grading_pool.close()
@@ -72,8 +56,8 @@ def build_run(config: ExGRPOConfig) -> Run:
     model, tokenizer = load_policy(c.model.name, dtype=c.model.dtype, lora=lora)
     pool = GradingPool(num_workers=c.reward.workers, timeout=c.reward.timeout)
     reward_funcs = build_reward_funcs(c, pool)
-    trainer = ExGRPOTrainer(model, tokenizer, reward_funcs, c, train)
+    trainer = ExGRPOTrainer(model, tokenizer, reward_funcs, c, train, eval_dataset=holdout)
     out = Path(c.logging.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(c.to_dict(), indent=2))
-    return Run(c, trainer, holdout, reward_funcs, pool)
+    return Run(c, trainer, pool)

@@ -28,6 +28,7 @@ from exgrpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoin
 from exgrpo.config import ExGRPOConfig
 from exgrpo.data import Question, render_prompt
 from exgrpo.distributed import Distributed, init_distributed, shard
+from exgrpo.evaluation import Accuracy, evaluate_accuracy
 from exgrpo.experience import ExperienceBuffer, Trajectory, num_experiential, sample_questions
 from exgrpo.experience.selection import select_index, trajectory_scores
 from exgrpo.objective import LossSettings, group_advantages, merge_stats, mixed_policy_loss
@@ -109,14 +110,19 @@ class ExGRPOTrainer:
         train_dataset: training questions.
         reward_weights: one weight per reward function (default all 1).
         engine: a RolloutEngine (default: transformers generate on the training model).
+        eval_dataset: held-out questions, evaluated every eval.every steps with the reward functions
+            (logged as eval/accuracy and eval/stderr).
     """
 
     def __init__(self, model, tokenizer, reward_funcs: Sequence[Callable], config: ExGRPOConfig,
                  train_dataset: Sequence[Question], reward_weights: Sequence[float] | None = None,
-                 engine: RolloutEngine | None = None, distributed: Distributed | None = None):
+                 engine: RolloutEngine | None = None, distributed: Distributed | None = None,
+                 eval_dataset: Sequence[Question] | None = None):
         self.dist = distributed or init_distributed()
         model.to(self.dist.device)
         self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.eval_dataset = list(eval_dataset or [])
+        self.last_evaluation: Accuracy | None = None  # the latest periodic evaluation
         self.reward_funcs = list(reward_funcs)
         self.reward_weights = list(reward_weights) if reward_weights is not None else [1.0] * len(self.reward_funcs)
         if not self.reward_funcs:
@@ -178,6 +184,11 @@ class ExGRPOTrainer:
                                           f"stopping at step {self.step}.")
                         break
                     metrics, samples = self.train_step()
+                    if c.eval.every and self.eval_dataset and self.step % c.eval.every == 0:
+                        accuracy = self.last_evaluation = self.evaluate()
+                        metrics.update({"eval/accuracy": accuracy.mean, "eval/stderr": accuracy.stderr})
+                        if tracker:
+                            tracker.print(f"step {self.step}: held-out {accuracy}")
                     self.history.append(metrics)
                     if tracker:
                         tracker.log(self.step, metrics)
@@ -196,6 +207,17 @@ class ExGRPOTrainer:
             if own_tracker:
                 tracker.close()
         return self.history
+
+    def evaluate(self) -> Accuracy:
+        """Held-out accuracy (avg@eval.samples at eval.temperature, graded by the reward functions)."""
+        c = self.config
+        questions = self.eval_dataset[: c.eval.max_questions] if c.eval.max_questions else self.eval_dataset
+        sampling = SamplingSettings(c.rollout.max_completion_length, c.eval.temperature, c.rollout.top_p,
+                                    c.rollout.top_k)
+        return evaluate_accuracy(self.engine, self.tokenizer, questions, self.reward_funcs, sampling,
+                                 c.eval.samples, seed=_seed(c.train.seed, self.step, 4),
+                                 success_threshold=c.reward.success_threshold,
+                                 prompt_ids_of=self._prompt_ids)
 
     def save(self) -> None:
         """Checkpoint the current step (rank 0 writes; every rank waits for it)."""
