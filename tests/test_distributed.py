@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}  # for toy_rewards
 STEPS = 5
 OVERRIDES = [f"train.steps={STEPS}", "train.check_replicas=true", "train.threads=1", "logging.progress=false",
-             "experience.start_threshold=0.0", "reward.workers=0", "reward.function=toy_rewards:first_char_is_lowercase", "rollout.max_completion_length=6",
+             "experience.start_threshold=0.0", "reward.workers=0",
+             "reward.function=toy_rewards:first_char_is_lowercase", "rollout.max_completion_length=6",
              "train.prompts_per_step=4", "train.mini_batches=2", "train.micro_batch_size=3", "train.save_every=0"]
 # Quantities that do not depend on float summation order, and those that may differ in the last bits
 # (gradients are summed across ranks in another order than in one process).

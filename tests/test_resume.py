@@ -20,7 +20,8 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}  # for toy_rewards
 STEPS = 8
 # A tiny run that switches to the mixed phase after its first step and replays from the third.
 OVERRIDES = [f"train.steps={STEPS}", "train.save_every=1", "train.save_total_limit=3", "logging.progress=false",
-             "experience.start_threshold=0.0", "reward.workers=0", "reward.function=toy_rewards:first_char_is_lowercase", "rollout.max_completion_length=6"]
+             "experience.start_threshold=0.0", "reward.workers=0",
+             "reward.function=toy_rewards:first_char_is_lowercase", "rollout.max_completion_length=6"]
 TIMING = ("time/", "tokens_per_second", "experience/selection_time")
 
 

@@ -79,7 +79,8 @@ def load_checkpoint(trainer, directory: str | Path) -> None:
     torch.set_rng_state(blobs["torch_rng"])
     buffer = ExperienceBuffer.load(directory / "buffer.safetensors")
     if buffer.num_generations != trainer.K:
-        raise ValueError(f"{directory}: the buffer was saved with K={buffer.num_generations}, the config has K={trainer.K}")
+        raise ValueError(f"{directory}: the buffer was saved with K={buffer.num_generations}, "
+                         f"the config has K={trainer.K}")
     trainer.buffer = buffer
     trainer.step, trainer.phase = state["step"], state["phase"]
     trainer.optimizer_steps, trainer.skipped_updates = state["optimizer_steps"], state["skipped_updates"]

@@ -280,7 +280,8 @@ def _build(cls, values: dict, prefix: str = ""):
     unknown = sorted(set(values) - names)
     if unknown:
         where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
-        raise ConfigError(f"unknown config field '{where}'; allowed fields{' of ' + prefix if prefix else ''}: {sorted(names)}")
+        of = f" of {prefix}" if prefix else ""
+        raise ConfigError(f"unknown config field '{where}'; allowed fields{of}: {sorted(names)}")
     kwargs = {name: _coerce(v, hints[name], f"{prefix}.{name}" if prefix else name) for name, v in values.items()}
     try:
         return cls(**kwargs)

@@ -234,7 +234,8 @@ def evaluate_accuracy(engine: RolloutEngine, tokenizer, questions: Sequence[Ques
     columns = {"answer": [questions[i].answer for i, _ in requests],
                **{k: [questions[i].columns.get(k) for i, _ in requests] for k in keys}}
     prompts = [tokenizer.decode(prompt_ids[i]) for i, _ in requests]
-    total, _ = combine_rewards(reward_funcs, [1.0] * len(reward_funcs), prompts, completions, out.completion_ids, columns)
+    weights = [1.0] * len(reward_funcs)
+    total, _ = combine_rewards(reward_funcs, weights, prompts, completions, out.completion_ids, columns)
     correct = (total >= success_threshold).reshape(len(questions), samples).astype(float)
     per_question = correct.mean(axis=1)
     n = len(questions)

@@ -18,7 +18,7 @@ def before_after_rows(before: Accuracy, after: Accuracy) -> list[tuple[str, str]
     return [
         ("held-out accuracy before", str(before)),
         ("held-out accuracy after", str(after)),
-        ("gain", f"{100 * gain:+.1f} points ({gain / se:.1f} standard errors)" if se > 0 else f"{100 * gain:+.1f} points"),
+        ("gain", f"{100 * gain:+.1f} points" + (f" ({gain / se:.1f} standard errors)" if se > 0 else "")),
     ]
 
 

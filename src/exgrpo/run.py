@@ -50,7 +50,8 @@ def build_run(config: ExGRPOConfig) -> Run:
                                prompt_suffix=c.data.prompt_suffix)
     train, holdout = split_holdout(questions, c.data.holdout, c.train.seed) if c.data.holdout else (list(questions), [])
     if c.data.eval:
-        holdout = list(load_questions(c.data.eval, skip_invalid=c.data.skip_invalid, prompt_suffix=c.data.prompt_suffix))
+        holdout = list(load_questions(c.data.eval, skip_invalid=c.data.skip_invalid,
+                                      prompt_suffix=c.data.prompt_suffix))
     lora = LoraSettings(c.model.lora.r, c.model.lora.alpha, c.model.lora.dropout, c.model.lora.target_modules) \
         if c.model.lora else None
     model, tokenizer = load_policy(c.model.name, dtype=c.model.dtype, lora=lora)

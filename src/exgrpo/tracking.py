@@ -55,7 +55,8 @@ class Tracker:
             status = (
                 f"reward {metrics['reward']:.2f} | {metrics.get('phase', '')} | "
                 f"buffer {metrics.get('experience/questions', 0):.0f}q/{metrics.get('experience/trajectories', 0):.0f}t"
-                f" | replayed {metrics.get('experience/replayed', 0):.0f} | {metrics.get('tokens_per_second', 0):.0f} tok/s"
+                f" | replayed {metrics.get('experience/replayed', 0):.0f}"
+                f" | {metrics.get('tokens_per_second', 0):.0f} tok/s"
             )
             self._progress.update(self._task, completed=step, status=status)
 

@@ -369,7 +369,8 @@ class ExGRPOTrainer:
                 columns["answer"].append(g.question.answer)
                 for k in extra_keys:
                     columns[k].append(g.question.columns.get(k))
-        total, _ = combine_rewards(self.reward_funcs, self.reward_weights, prompts, completions, completion_ids, columns)
+        total, _ = combine_rewards(self.reward_funcs, self.reward_weights, prompts, completions, completion_ids,
+                                   columns)
         return total
 
     def _pack(self, sequences: list[tuple[list[int], Member]]) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -50,7 +50,8 @@ class _GrowableArray:
     def extend(self, values: np.ndarray) -> int:
         start, end = self.size, self.size + len(values)
         if end > len(self.data):
-            grown = np.empty(max(end, len(self.data) * 5 // 4), dtype=self.data.dtype)  # 1.25x: amortised O(1), little slack
+            # grow by 1.25x: amortised O(1) appends with little slack
+            grown = np.empty(max(end, len(self.data) * 5 // 4), dtype=self.data.dtype)
             grown[: self.size] = self.data[: self.size]
             self.data = grown
         self.data[start:end] = values
@@ -174,7 +175,8 @@ class ExperienceBuffer:
     @property
     def nbytes(self) -> int:
         """Bytes held by the columnar arrays (capacity included)."""
-        return sum(a.nbytes for a in (self._tokens, self._logprobs, self._offset, self._length, self._step, self._owner))
+        columns = (self._tokens, self._logprobs, self._offset, self._length, self._step, self._owner)
+        return sum(a.nbytes for a in columns)
 
     # ------------------------------------------------------------------ updates
     def update_group(
@@ -209,7 +211,8 @@ class ExperienceBuffer:
         self._set_bucket(question_id, k, step)
         for ok, ids, lps in zip(correct, token_ids, logprobs):
             if ok:
-                self._add_trajectory(question_id, np.asarray(ids, dtype=np.int32), np.asarray(lps, dtype=np.float32), step)
+                ids, lps = np.asarray(ids, dtype=np.int32), np.asarray(lps, dtype=np.float32)
+                self._add_trajectory(question_id, ids, lps, step)
         self._enforce_question_cap()
         return "collected"
 

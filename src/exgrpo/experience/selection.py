@@ -36,7 +36,8 @@ def trajectory_scores(values: torch.Tensor, mask: torch.Tensor, metric: str = "e
     raise ValueError(f"unknown selection metric {metric!r}; expected one of {METRICS}")
 
 
-def select_index(scores: torch.Tensor | None, num_candidates: int, metric: str, mode: str, rng: np.random.Generator) -> int:
+def select_index(scores: torch.Tensor | None, num_candidates: int, metric: str, mode: str,
+                 rng: np.random.Generator) -> int:
     """Index of the candidate to replay: argmin/argmax of scores, or uniform for metric "random"."""
     if metric == "random":
         return int(rng.integers(num_candidates))
