@@ -33,7 +33,7 @@ class Trajectory:
     step: int
 
 
-@dataclass
+@dataclass(slots=True)  # one per question: slots keep the per-question overhead small
 class _Question:
     bucket: int
     slots: list[int] = field(default_factory=list)  # trajectory slots, oldest first
