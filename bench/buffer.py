@@ -16,7 +16,7 @@ import tracemalloc
 import numpy as np
 import torch
 
-from exgrpo.experience import ExperienceBuffer, num_experiential, sample_questions, select_index, trajectory_scores
+from exgrpo.experience import ExperienceBuffer, num_experiential, sample_questions, select_index
 
 K = 8
 
