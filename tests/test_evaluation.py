@@ -16,10 +16,9 @@ from exgrpo.cli import main
 from exgrpo.data import Question
 from exgrpo.eval_run import group_averages, markdown_table
 from exgrpo.evaluation import (EvalProtocol, avg_at_k, benchmark_metrics, evaluate_questions, extract_answer,
-                               grader_for, grading_text, heldout_metrics, mean_pass_at_k, pass_at_k, report_ks,
-                               request_seed)
+                               grader_for, grading_text, heldout_metrics, mean_pass_at_k, pass_at_k, report_ks)
 from exgrpo.rewards import GradingPool
-from exgrpo.rollout import Rollouts
+from exgrpo.rollout import Rollouts, derive_seed
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT.parent / "shared" / "data" / "benchmarks"
@@ -238,7 +237,7 @@ def test_evaluate_questions_grades_every_sample_in_batches():
     assert [c[0] for c in engine.calls] == [4, 4, 4]
     assert engine.calls[0][1].temperature == 0.6 and engine.calls[0][1].max_new_tokens == 16
     seeds = [s for c in engine.calls for s in c[2]]
-    assert len(set(seeds)) == 12 and seeds[:4] == [request_seed(7, 0, s) for s in range(4)]
+    assert len(set(seeds)) == 12 and seeds[:4] == [derive_seed(7, 0, s) for s in range(4)]
     records = [r for b in batches for r in b]
     expected = [(f"heldout/{i}", s) for i in range(3) for s in range(4)]
     assert sorted((r.question_id, r.sample) for r in records) == expected

@@ -24,10 +24,10 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
                            TimeRemainingColumn)
 
 from exgrpo.benchmarks import BENCHMARKS, BenchmarkData
-from exgrpo.evaluation import EvalProtocol, Sample, evaluate_questions, request_seed
+from exgrpo.evaluation import EvalProtocol, Sample, evaluate_questions
 from exgrpo.models import load_policy
 from exgrpo.rewards import GradingPool
-from exgrpo.rollout import HFEngine
+from exgrpo.rollout import HFEngine, derive_seed
 
 
 
@@ -81,7 +81,7 @@ def _evaluate_model(label: str, out_dir: Path, data: Sequence[BenchmarkData], pr
             # Seeded by the benchmark's registry position: its samples do not depend on which others run.
             result = evaluate_questions(engine, tokenizer, bench.questions, name=b.name, kind=b.kind, samples=k,
                                         protocol=protocol, pool=pool, batch_size=batch_size, on_batch=on_batch,
-                                        seed=request_seed(seed, list(BENCHMARKS).index(b.name)))
+                                        seed=derive_seed(seed, list(BENCHMARKS).index(b.name)))
             results[b.name] = {"questions": len(bench.items), "rows": bench.rows, "samples": k,
                                "metrics": result.metrics(), "wall_s": round(time.perf_counter() - start, 1)}
     summary = {"model": label, "benchmarks": results, **group_averages(results)}

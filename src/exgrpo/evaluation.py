@@ -16,7 +16,7 @@ from exgrpo.benchmarks import TEST_DATA_SOURCES
 from exgrpo.data import Question, collapse_replicas, render_prompt
 from exgrpo.rewards import (GradingPool, choice_letter, combine_rewards, grade_choice, grade_math, grade_math_boxed,
                             last_boxed)
-from exgrpo.rollout import RolloutEngine, SamplingSettings
+from exgrpo.rollout import RolloutEngine, SamplingSettings, derive_seed
 
 THINK = "<think>\n"
 
@@ -107,11 +107,6 @@ def extract_answer(text: str, kind: str) -> str:
 # --- sampling and grading a question set -------------------------------------------------------------------------
 
 
-def request_seed(*keys: int) -> int:
-    """A 63-bit sampling seed derived from integer keys (run seed, question, sample)."""
-    return int(np.random.SeedSequence(list(keys)).generate_state(1, np.uint64)[0] >> 1)
-
-
 @dataclass
 class Sample:
     """One graded generation (a line of the generations JSONL)."""
@@ -143,7 +138,7 @@ def evaluate_questions(engine: RolloutEngine, tokenizer, questions: Sequence[Que
                        on_batch: Callable[[list[Sample]], None] | None = None) -> EvalResult:
     """Sample every question `samples` times under `protocol` and grade each sample with the `kind` grader.
 
-    Sample s of question i is drawn with seed `request_seed(seed, i, s)`, so results do not depend on the batch
+    Sample s of question i is drawn with seed `derive_seed(seed, i, s)`, so results do not depend on the batch
     size. Generation runs in batches of `batch_size` requests; `on_batch` receives each batch's graded `Sample`s
     as soon as they exist (progress, JSONL output). A sample is correct at grade 1.0.
     """
@@ -162,7 +157,7 @@ def evaluate_questions(engine: RolloutEngine, tokenizer, questions: Sequence[Que
     for start in range(0, len(requests), batch_size):
         batch = requests[start : start + batch_size]
         out = engine.generate([prompt_ids[i] for i, _ in batch], protocol.sampling(),
-                              [request_seed(seed, i, s) for i, s in batch])
+                              [derive_seed(seed, i, s) for i, s in batch])
         completions = [tokenizer.decode(ids, skip_special_tokens=True) for ids in out.completion_ids]
         texts = [grading_text(prompts[i], c, protocol) for (i, _), c in zip(batch, completions)]
         grades = pool.grade(grader, texts, [questions[i].answer for i, _ in batch])
@@ -227,7 +222,7 @@ def evaluate_accuracy(engine: RolloutEngine, tokenizer, questions: Sequence[Ques
         lambda q: tokenizer(render_prompt(tokenizer, q.messages), add_special_tokens=False)["input_ids"])
     prompt_ids = [prompt_ids_of(q) for q in questions]
     requests = [(i, s) for i in range(len(questions)) for s in range(samples)]
-    seeds = [request_seed(seed, i, s) for i, s in requests]
+    seeds = [derive_seed(seed, i, s) for i, s in requests]
     out = engine.generate([prompt_ids[i] for i, _ in requests], sampling, seeds)
     completions = [tokenizer.decode(ids, skip_special_tokens=True) for ids in out.completion_ids]
     keys = sorted({k for q in questions for k in q.columns} - {"answer"})

@@ -10,8 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+import numpy as np
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
+
+
+def derive_seed(*keys: int) -> int:
+    """A 63-bit seed derived from integer keys (e.g. run seed, step, group, member): one stream per request."""
+    return int(np.random.SeedSequence(list(keys)).generate_state(1, np.uint64)[0] >> 1)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from exgrpo.experience import ExperienceBuffer, Trajectory, num_experiential, sa
 from exgrpo.experience.selection import select_index, trajectory_scores
 from exgrpo.objective import LossSettings, group_advantages, merge_stats, mixed_policy_loss
 from exgrpo.rewards import combine_rewards
-from exgrpo.rollout import HFEngine, RolloutEngine, SamplingSettings
+from exgrpo.rollout import HFEngine, RolloutEngine, SamplingSettings, derive_seed
 from exgrpo.tracking import Tracker, truncate_metrics
 
 WARMUP, MIXED = "warmup", "mixed"
@@ -215,7 +215,7 @@ class ExGRPOTrainer:
         sampling = SamplingSettings(c.rollout.max_completion_length, c.eval.temperature, c.rollout.top_p,
                                     c.rollout.top_k)
         return evaluate_accuracy(self.engine, self.tokenizer, questions, self.reward_funcs, sampling,
-                                 c.eval.samples, seed=_seed(c.train.seed, self.step, 4),
+                                 c.eval.samples, seed=derive_seed(c.train.seed, self.step, 4),
                                  success_threshold=c.reward.success_threshold,
                                  prompt_ids_of=self._prompt_ids)
 
@@ -262,7 +262,7 @@ class ExGRPOTrainer:
         start, end = dp.shard_bounds(len(groups))
         requests = [(gi, j) for gi in range(start, end) for j in range(len(groups[gi].members), self.K)]
         rollouts = self.engine.generate([groups[gi].prompt_ids for gi, _ in requests], self.sampling,
-                                        [_seed(c.train.seed, self.step, gi, j) for gi, j in requests])
+                                        [derive_seed(c.train.seed, self.step, gi, j) for gi, j in requests])
         sampled = dp.gather(list(zip(rollouts.completion_ids, rollouts.truncated)))
         all_requests = [g for g in groups for _ in range(self.K - len(g.members))]
         for g, (ids, trunc) in zip(all_requests, sampled):
@@ -580,8 +580,3 @@ class _StopRequest:
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-
-
-def _seed(*keys: int) -> int:
-    """A 63-bit seed derived from integer keys (e.g. run seed, step, group, member)."""
-    return int(np.random.SeedSequence(list(keys)).generate_state(1, np.uint64)[0] >> 1)
