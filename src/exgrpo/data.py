@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 from urllib.parse import unquote
 
+from exgrpo.rewards.graders import last_boxed
+
 logger = logging.getLogger(__name__)
 
 RG_PREFIX = "reasoning_gym:"
@@ -343,23 +345,11 @@ def extract_final_answer(completion: str) -> str:
     tagged = re.findall(r"<answer>(.*?)</answer>", text, flags=re.DOTALL)
     if tagged:
         return tagged[-1].strip()
-    boxed = _last_boxed(text)
+    boxed = last_boxed(text)
     if boxed is not None:
         return boxed.strip()
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[-1] if lines else ""
-
-
-def _last_boxed(text: str) -> str | None:
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 0, start + len("\\boxed")
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i + 1 : j]
-    return None  # unbalanced braces: no usable box
 
 
 def score_reasoning_gym(completion: str, entry: dict) -> float:
