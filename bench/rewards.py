@@ -7,6 +7,8 @@ One JSON line per measurement:
 * "reward_startup": seconds until a pool's workers are ready (each is a fresh interpreter importing math-verify).
 * "reward_throughput": gradings/s of `grade_math` over the same realistic batch, serial vs 1 and 2 workers
   (R repeats after a discarded warm-up pass, alternating; median), and the speed-ups over serial.
+* "reward_serial_fresh_process": the serial loop in a fresh interpreter (a worker's work without the pipe), so
+  that the 1-worker pool's deficit can be split into process effects and round-trip cost.
 * "reward_ipc": ms per item with a grader that costs ~nothing (grade_choice), i.e. the pool's per-item round trip.
 * "reward_adversarial": per adversarial input, the wall time of grading it alone in a warm 2-worker pool with
   `--timeout` seconds, its score, how long until the pool is ready again (the timed-out worker is replaced inside
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -138,6 +141,19 @@ def main() -> None:
          "serial_gradings_per_s": rate[0], "workers1_gradings_per_s": rate[1], "workers2_gradings_per_s": rate[2],
          "speedup_workers2_over_serial": rate[2] / rate[0], "speedup_workers1_over_serial": rate[1] / rate[0],
          "target_speedup_workers2": 1.7, "pool_timeouts": pools[2].stats["timeouts"] + pools[1].stats["timeouts"]})
+
+    # the same serial loop in a fresh interpreter (what a worker runs, minus the pipe round trips)
+    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); from rewards import realistic_batch; "
+            "from exgrpo.rewards import grade_math; c, g = realistic_batch(int(sys.argv[2])); rates = []\n"
+            "for r in range(int(sys.argv[3]) + 1):\n"
+            "    t = time.perf_counter(); [grade_math(a, b) for a, b in zip(c, g)]; "
+            "rates.append(len(c) / (time.perf_counter() - t))\n"
+            "print(sorted(rates[1:])[len(rates[1:]) // 2])")
+    here = os.path.dirname(os.path.abspath(__file__))
+    fresh = float(subprocess.run([sys.executable, "-c", code, here, str(args.items), str(args.repeats)],
+                                 capture_output=True, text=True, check=True).stdout)
+    out({"bench": "reward_serial_fresh_process", "items": len(completions), "gradings_per_s": fresh,
+         "workers1_over_this": rate[1] / fresh})
 
     # per-item round trip: a grader that costs ~nothing (the multiple-choice letter regex)
     letters = [f"The answer is \\boxed{{{'ABCD'[i % 4]}}}" for i in range(len(completions))]
