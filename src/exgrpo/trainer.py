@@ -130,6 +130,8 @@ class ExGRPOTrainer:
         c = config
         if c.train.threads:
             torch.set_num_threads(c.train.threads)
+        if c.objective.kl_coef:
+            raise ValueError("objective.kl_coef > 0 needs a reference model, which this trainer does not load yet")
         self.K = c.rollout.num_generations
         self.engine = engine or HFEngine(model, tokenizer, c.rollout.generation_batch_size)
         self.sampling = SamplingSettings(c.rollout.max_completion_length, c.rollout.temperature,
@@ -427,8 +429,6 @@ class ExGRPOTrainer:
         """
         c, dp = self.config, self.dist
         settings = self._loss_settings(phase)
-        if c.objective.kl_coef:
-            raise ValueError("objective.kl_coef > 0 needs a reference model, which this trainer does not load yet")
         mask = batch["completion_mask"]
         num_groups = mask.shape[0] // self.K
         order = np.random.default_rng([c.train.seed, self.step, 2]).permutation(num_groups)
@@ -514,8 +514,7 @@ class ExGRPOTrainer:
                 ids.append(np.asarray(m.completion_ids, dtype=np.int32))
                 lps.append(old_logp[row, :n].numpy())
                 row += 1
-            if g.question.id not in self.pool.retired:
-                self.buffer.update_group(g.question.id, ok.tolist(), ids, lps, step=self.step)
+            self.buffer.update_group(g.question.id, ok.tolist(), ids, lps, step=self.step)  # ignores retired ones
 
     # ------------------------------------------------------------------ reporting
     def _metrics(self, groups, rewards, correct, batch, update_stats, timings, phase, n_exp, retired_now, elapsed):
