@@ -137,3 +137,29 @@ def test_same_seed_same_metrics():
     b = _trainer(_config(train={"steps": 3})).train()
     keys = ["reward", "loss", "grad_norm", "experience/trajectories"]
     assert [[m[k] for k in keys] for m in a] == [[m[k] for k in keys] for m in b]
+
+
+def test_shared_prompt_forward_matches_the_full_forward():
+    """Rows sharing a prompt run it once; log-probs, entropies and gradients equal a full forward per row."""
+    from exgrpo.trainer import Member
+
+    trainer = _trainer(_config())
+    prompts = [trainer._prompt_ids(q) for q in _questions(12)[::5]]  # "q 10" is longer: left padding differs
+    completions = [[5, 6, 7], [8], [9, 10], [11, 12, 13, 14]]
+    batch = trainer._pack([(p, Member(c)) for p in prompts for c in completions])
+    grouped = torch.arange(12)  # consecutive rows share prompts: the shared path
+    interleaved = torch.tensor([0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11])  # no neighbours share: the full path
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    results = []
+    for rows in (grouped, interleaved):
+        logp, entropy = trainer._token_logps(trainer.model, batch, True, rows)
+        order = rows.argsort()
+        logp, entropy = logp[order], entropy[order]
+        mask = batch["completion_mask"]
+        grads = torch.autograd.grad(((logp + entropy) * mask).sum(), params)
+        results.append((logp * mask, entropy * mask, grads))
+    (lp_a, ent_a, grad_a), (lp_b, ent_b, grad_b) = results
+    torch.testing.assert_close(lp_a, lp_b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent_a, ent_b, atol=1e-5, rtol=1e-5)
+    for a, b in zip(grad_a, grad_b):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

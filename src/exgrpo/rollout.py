@@ -109,6 +109,20 @@ class HFEngine:
             self.model.train(was_training)
         return Rollouts(completions, truncated)
 
+    def _shared_prefill(self, input_ids: torch.Tensor, attention: torch.Tensor):
+        """The KV cache of all but the last prompt token, computed once per distinct prompt (a group's K rows
+        repeat one), or None when every row's prompt differs and generate's own prefill is as cheap."""
+        rows = torch.cat([input_ids, attention], dim=1)
+        distinct, owner = torch.unique(rows, dim=0, return_inverse=True)
+        if len(distinct) == len(rows) or input_ids.shape[1] < 2:
+            return None
+        width = input_ids.shape[1]
+        ids, mask = distinct[:, : width - 1], distinct[:, width : 2 * width - 1]
+        cache = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                           use_cache=True, logits_to_keep=1).past_key_values
+        cache.batch_select_indices(owner)
+        return cache
+
     def _generate_chunk(self, prompt_ids, sampling: SamplingSettings, seeds):
         pad = self.tokenizer.pad_token_id
         width = max(len(p) for p in prompt_ids)
@@ -117,10 +131,11 @@ class HFEngine:
         for i, p in enumerate(prompt_ids):
             input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
             attention[i, width - len(p):] = 1
+        input_ids, attention = input_ids.to(self.model.device), attention.to(self.model.device)
         # Sampling happens in the logits processor (Gumbel-max with a generator per row), so generate decodes
         # greedily over already-sampled scores.
         out = self.model.generate(
-            input_ids=input_ids.to(self.model.device), attention_mask=attention.to(self.model.device),
+            input_ids=input_ids, attention_mask=attention, past_key_values=self._shared_prefill(input_ids, attention),
             do_sample=False, logits_processor=LogitsProcessorList([PerRowSampler(sampling, seeds)]),
             max_new_tokens=sampling.max_new_tokens, pad_token_id=pad, eos_token_id=sorted(self.eos_ids),
             temperature=None, top_p=None, top_k=None,

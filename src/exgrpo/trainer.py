@@ -399,15 +399,39 @@ class ExGRPOTrainer:
                 "replay_mask": replay, "recorded_logp": recorded}
 
     def _token_logps(self, model, batch: dict, with_entropy: bool, rows: slice | torch.Tensor = slice(None)):
-        """(n, T) log-probs of the completion tokens under the policy (at the rollout temperature), and entropies."""
-        T = batch["completion_ids"].shape[1]
+        """(n, T) log-probs of the completion tokens under the policy (at the rollout temperature), and entropies.
+
+        Consecutive rows with the same prompt (a group's members, a question's stored candidates) run it once:
+        its KV cache is indexed out to every row, so gradients from all of them flow back through one prompt pass.
+        """
         device = self.dist.device
-        out = model(input_ids=batch["input_ids"][rows].to(device),
-                         attention_mask=batch["attention_mask"][rows].to(device),
-                         position_ids=batch["position_ids"][rows].to(device), logits_to_keep=T + 1, use_cache=False)
-        logits = out.logits[:, :-1].float() / self.config.rollout.temperature
-        log_probs = torch.log_softmax(logits, dim=-1)
+        input_ids, attention, positions = (batch[k][rows].to(device)
+                                           for k in ("input_ids", "attention_mask", "position_ids"))
         targets = batch["completion_ids"][rows].to(device)
+        T = targets.shape[1]
+        P = input_ids.shape[1] - T
+        prompt = torch.cat([input_ids[:, :P], attention[:, :P]], dim=1)
+        new_prompt = torch.ones(len(prompt), dtype=torch.bool, device=device)
+        new_prompt[1:] = (prompt[1:] != prompt[:-1]).any(-1)
+        if bool(new_prompt.all()):
+            out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, logits_to_keep=T + 1,
+                        use_cache=False)
+            logits = out.logits[:, :-1]
+        else:
+            firsts = new_prompt.nonzero().squeeze(-1)
+            owner = new_prompt.cumsum(0) - 1  # row -> index of its prompt among firsts
+            # The prompt pass goes through the bare module: a DDP wrapper allows one forward per backward, and
+            # each parameter still receives a single (summed) gradient from both passes.
+            bare = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+            head = bare(
+                input_ids=input_ids[firsts, :P], attention_mask=attention[firsts, :P], position_ids=positions[firsts, :P],
+                use_cache=True, logits_to_keep=1)
+            cache = head.past_key_values
+            cache.batch_select_indices(owner)
+            out = model(input_ids=targets, attention_mask=attention, position_ids=positions[:, P:],
+                        past_key_values=cache, use_cache=True)
+            logits = torch.cat([head.logits[owner], out.logits[:, :-1]], dim=1)
+        log_probs = torch.log_softmax(logits.float() / self.config.rollout.temperature, dim=-1)
         logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None
         return logp, entropy
