@@ -1,4 +1,5 @@
-"""`exgrpo train|demo --config F [section.field=value ...]` and `exgrpo eval --model M --benchmarks B ...`."""
+"""`exgrpo train|demo --config F [section.field=value ...]`, `exgrpo eval --model M --benchmarks B ...` and
+`exgrpo experiment run|report STUDY`."""
 
 from __future__ import annotations
 
@@ -116,6 +117,36 @@ def _eval(args, argv: list[str]) -> int:
     return 0
 
 
+def _experiment(args) -> int:
+    """Run (or resume) the runs of a multi-seed study, or write its report."""
+    from exgrpo.experiment import load_study, run_study
+
+    study = load_study(args.study)
+    if args.action == "run":
+        run_study(study, arms=args.arms, seeds=args.seeds, log=lambda m: print(f"exgrpo experiment: {m}", flush=True))
+        return 0
+    from exgrpo.study_report import write_study_report
+
+    main_arms = args.main or [study.baseline]
+    for name in main_arms:
+        study.arm(name)
+    print(write_study_report(study, args.output, main_arms))
+    return 0
+
+
+def _add_experiment_parser(sub) -> None:
+    p = sub.add_parser("experiment", help="multi-seed studies: run (resumable) and report",
+                       description="Train every arm × seed of a study file (skipping complete runs, resuming "
+                                   "interrupted ones), or write the study's plots and tables.")
+    p.add_argument("action", choices=["run", "report"])
+    p.add_argument("study", help="study YAML (see exgrpo.experiment)")
+    p.add_argument("--arms", nargs="+", metavar="ARM", help="run: only these arms")
+    p.add_argument("--seeds", nargs="+", type=int, metavar="SEED", help="run: only these seeds")
+    p.add_argument("--output", default="docs/results", help="report: output directory (default: docs/results)")
+    p.add_argument("--main", nargs="+", metavar="ARM",
+                   help="report: the arms compared in the main plots, baseline first (default: the baseline)")
+
+
 def _add_eval_parser(sub) -> None:
     p = sub.add_parser("eval", help="evaluate models on the paper's benchmarks (spec §8)",
                        description="Sample each benchmark question under the paper's protocol, grade, and print "
@@ -162,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--resume", metavar="RUN_DIR|auto",
                            help="continue from the latest checkpoint of RUN_DIR (auto: of logging.output_dir, if any)")
     _add_eval_parser(sub)
+    _add_experiment_parser(sub)
     args, overrides = parser.parse_known_args(argv)
     if args.command == "eval":
         if overrides:
@@ -170,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--samples and --limit must be positive")
         return _eval(args, sys.argv[1:] if argv is None else argv)
     try:
+        if args.command == "experiment":
+            if overrides:
+                parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+            return _experiment(args)
         return {"train": _train, "demo": _demo}[args.command](args, overrides)
     except ConfigError as e:
         print(f"exgrpo: config error: {e}", file=sys.stderr)

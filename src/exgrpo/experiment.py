@@ -1,0 +1,217 @@
+"""Multi-seed studies: several arms (config overrides on one base config) trained from the same start with the same
+seeds and budget, resumable run by run, and their results read back for the report (exgrpo.study_report).
+
+A study file (YAML; paths relative to it)::
+
+    base: ../configs/demo.yaml          # the config every run starts from
+    output_dir: ../runs/study           # runs go to <output_dir>/<arm>/seed-<seed>
+    seeds: [1, 2, 3]                    # default seeds of every arm
+    overrides: [train.save_every=5]     # applied to every arm
+    baseline: grpo                      # the arm differences are reported against
+    arms:
+      grpo: {label: "GRPO", overrides: [experience.ratio=0]}
+      exgrpo: {label: "ExGRPO"}
+      select_random: {label: "random selection", overrides: [experience.selection_metric=random], seeds: [1, 2]}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+from exgrpo.config import ConfigError, ExGRPOConfig, load_config
+
+_STUDY_KEYS = {"base", "output_dir", "seeds", "overrides", "baseline", "arms"}
+_ARM_KEYS = {"label", "overrides", "seeds"}
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    label: str
+    overrides: tuple[str, ...]
+    seeds: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Study:
+    path: Path
+    base: Path
+    output_dir: Path
+    overrides: tuple[str, ...]
+    baseline: str
+    arms: tuple[Arm, ...]
+
+    def arm(self, name: str) -> Arm:
+        for a in self.arms:
+            if a.name == name:
+                return a
+        raise ConfigError(f"{self.path}: no arm {name!r}; arms: {', '.join(a.name for a in self.arms)}")
+
+    def run_dir(self, arm: Arm, seed: int) -> Path:
+        return self.output_dir / arm.name / f"seed-{seed}"
+
+    def config(self, arm: Arm, seed: int) -> ExGRPOConfig:
+        overrides = [*self.overrides, *arm.overrides, f"train.seed={seed}",
+                     f"logging.output_dir={self.run_dir(arm, seed)}"]
+        try:
+            return load_config(self.base, overrides)
+        except ConfigError as e:
+            raise ConfigError(f"{self.path}: arm {arm.name!r}: {e}") from None
+
+    def initial_eval_path(self, config: ExGRPOConfig) -> Path:
+        """Where the before-training evaluation of a run is kept. Runs whose start is the same (model, data,
+        rollout, reward, eval settings and seed) share it, so each seed's starting point is evaluated once."""
+        d = config.to_dict()
+        start = {k: d[k] for k in ("model", "data", "rollout", "reward", "eval")} | {"seed": config.train.seed}
+        key = hashlib.sha256(json.dumps(start, sort_keys=True).encode()).hexdigest()[:16]
+        return self.output_dir / "initial" / f"{key}.json"
+
+
+def _seeds(value, where: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value or not all(isinstance(s, int) and not isinstance(s, bool)
+                                                            for s in value):
+        raise ConfigError(f"{where}: expected a non-empty list of integer seeds, got {value!r}")
+    return tuple(value)
+
+
+def _overrides(value, where: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(o, str) and "=" in o for o in value):
+        raise ConfigError(f"{where}: expected a list of 'section.field=value' strings, got {value!r}")
+    return tuple(value)
+
+
+def load_study(path: str | Path) -> Study:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"study file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping with keys {sorted(_STUDY_KEYS)}")
+    unknown = set(raw) - _STUDY_KEYS
+    missing = {"base", "output_dir", "seeds", "arms"} - set(raw)
+    if unknown or missing:
+        raise ConfigError(f"{path}: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
+    if not isinstance(raw["arms"], dict) or not raw["arms"]:
+        raise ConfigError(f"{path}: arms: expected a mapping of arm names to {{label, overrides, seeds}}")
+    seeds = _seeds(raw["seeds"], f"{path}: seeds")
+    arms = []
+    for name, spec in raw["arms"].items():
+        spec = spec or {}
+        if not isinstance(spec, dict) or set(spec) - _ARM_KEYS:
+            raise ConfigError(f"{path}: arms.{name}: expected a mapping with keys among {sorted(_ARM_KEYS)}")
+        arms.append(Arm(str(name), str(spec.get("label", name)), _overrides(spec.get("overrides"),
+                        f"{path}: arms.{name}.overrides"),
+                        _seeds(spec["seeds"], f"{path}: arms.{name}.seeds") if "seeds" in spec else seeds))
+    root = path.parent
+    study = Study(path, (root / raw["base"]).resolve(), (root / raw["output_dir"]).resolve(),
+                  _overrides(raw.get("overrides"), f"{path}: overrides"), str(raw.get("baseline", arms[0].name)),
+                  tuple(arms))
+    study.arm(study.baseline)
+    for arm in study.arms:  # every run's config must build before the first one starts
+        study.config(arm, arm.seeds[0])
+    return study
+
+
+def _write_json_atomic(path: Path, value) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)
+
+
+def completed_steps(run_dir: Path) -> int:
+    from exgrpo.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(run_dir)
+    return int(latest.name.rsplit("-", 1)[1]) if latest is not None else 0
+
+
+def run_study(study: Study, arms: list[str] | None = None, seeds: list[int] | None = None,
+              log: Callable[[str], None] = print) -> None:
+    """Train every selected (arm, seed) run that has not reached its last step, resuming from its checkpoint."""
+    from exgrpo.checkpoint import latest_checkpoint
+    from exgrpo.run import build_run
+
+    selected = [study.arm(a) for a in arms] if arms else list(study.arms)
+    for arm in selected:
+        for seed in arm.seeds:
+            if seeds and seed not in seeds:
+                continue
+            config = study.config(arm, seed)
+            run_dir = study.run_dir(arm, seed)
+            done = completed_steps(run_dir)
+            if done >= config.train.steps:
+                log(f"{arm.name} seed {seed}: complete ({done} steps), skipped")
+                continue
+            log(f"{arm.name} seed {seed}: " + (f"resuming at step {done}" if done else "starting"))
+            run = build_run(config)
+            try:
+                checkpoint = latest_checkpoint(run_dir)
+                if checkpoint is not None:
+                    run.trainer.resume(checkpoint)
+                initial = study.initial_eval_path(config)
+                if checkpoint is None and not initial.exists():
+                    accuracy = run.trainer.evaluate()
+                    _write_json_atomic(initial, {"accuracy": accuracy.mean, "stderr": accuracy.stderr,
+                                                 "num_questions": accuracy.num_questions,
+                                                 "samples_per_question": accuracy.samples_per_question})
+                    log(f"{arm.name} seed {seed}: before training {accuracy}")
+                run.trainer.train()
+            finally:
+                run.close()
+
+
+@dataclass
+class RunResult:
+    arm: Arm
+    seed: int
+    config: ExGRPOConfig
+    history: list[dict]  # metrics.jsonl lines, one per step
+    initial: dict  # before-training evaluation
+
+    def evaluations(self) -> list[tuple[int, float]]:
+        """(step, held-out accuracy), step 0 first."""
+        return [(0, self.initial["accuracy"])] + [(m["step"], m["eval/accuracy"]) for m in self.history
+                                                  if "eval/accuracy" in m]
+
+    def fresh_rollouts(self) -> list[int]:
+        """Cumulative sampled completions after each step (a replayed member is not sampled)."""
+        per_step = self.config.train.prompts_per_step * self.config.rollout.num_generations
+        total, out = 0, []
+        for m in self.history:
+            total += per_step - int(m["experience/replayed"])
+            out.append(total)
+        return out
+
+
+def load_results(study: Study) -> list[RunResult]:
+    """Every completed run of the study; incomplete or missing runs are named in the error."""
+    from exgrpo.tracking import read_metrics
+
+    results, missing = [], []
+    for arm in study.arms:
+        for seed in arm.seeds:
+            config = study.config(arm, seed)
+            run_dir = study.run_dir(arm, seed)
+            initial = study.initial_eval_path(config)
+            if completed_steps(run_dir) < config.train.steps or not initial.exists():
+                missing.append(f"{arm.name}/seed-{seed}")
+                continue
+            history = read_metrics(run_dir / "metrics.jsonl")
+            results.append(RunResult(arm, seed, config, history, json.loads(initial.read_text())))
+    if missing:
+        raise ConfigError(f"{study.path}: runs not complete yet: {', '.join(missing)} "
+                          f"(run `exgrpo experiment run {study.path}`)")
+    return results

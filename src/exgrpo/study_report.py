@@ -1,0 +1,197 @@
+"""The report of a multi-seed study (exgrpo.experiment): PNG plots and markdown tables, mean ± std over seeds."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from exgrpo.experiment import RunResult, Study, load_results  # noqa: E402
+
+
+def _by_arm(results: list[RunResult]) -> dict[str, list[RunResult]]:
+    arms: dict[str, list[RunResult]] = defaultdict(list)
+    for r in results:
+        arms[r.arm.name].append(r)
+    return arms
+
+
+def _mean_std(rows: list[list[float]]) -> tuple[np.ndarray, np.ndarray]:
+    a = np.asarray(rows, dtype=float)
+    return a.mean(0), a.std(0, ddof=1) if len(a) > 1 else np.zeros(a.shape[1])
+
+
+def _band(ax, x, rows, label):
+    mean, std = _mean_std(rows)
+    ax.plot(x, mean, marker="o", markersize=3, label=f"{label} (n={len(rows)})")
+    ax.fill_between(x, mean - std, mean + std, alpha=0.2)
+
+
+def _series(runs: list[RunResult], key: str) -> tuple[list[int], list[list[float]]]:
+    steps = [m["step"] for m in runs[0].history]
+    return steps, [[m.get(key, np.nan) for m in r.history] for r in runs]
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _curves(arms: dict[str, list[RunResult]], names: list[str], out: Path, stem: str) -> list[str]:
+    """Held-out accuracy vs step and vs rollouts consumed; training reward, entropy, gradient norm, length."""
+    fig, (by_step, by_rollouts) = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    for name in names:
+        runs = arms[name]
+        label = runs[0].arm.label
+        steps = [s for s, _ in runs[0].evaluations()]
+        _band(by_step, steps, [[a for _, a in r.evaluations()] for r in runs], label)
+        rollouts = [[0] + [r.fresh_rollouts()[s - 1] for s in steps[1:]] for r in runs]
+        _band(by_rollouts, np.mean(rollouts, 0), [[a for _, a in r.evaluations()] for r in runs], label)
+    by_step.set(xlabel="step", ylabel="held-out accuracy (avg@k)", title="Held-out accuracy vs step")
+    by_rollouts.set(xlabel="sampled completions (cumulative)", title="… vs rollouts consumed")
+    for ax in (by_step, by_rollouts):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    _save(fig, out / f"{stem}_heldout.png")
+
+    panels = [("reward", "training reward (batch mean)"), ("entropy", "token entropy"),
+              ("grad_norm", "gradient norm"), ("completions/mean_length", "completion length (tokens)")]
+    fig, axes = plt.subplots(1, 4, figsize=(14, 3.2))
+    for ax, (key, title) in zip(axes, panels):
+        for name in names:
+            steps, rows = _series(arms[name], key)
+            _band(ax, steps, rows, arms[name][0].arm.label)
+        ax.set(xlabel="step", title=title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    _save(fig, out / f"{stem}_training.png")
+    return [f"{stem}_heldout.png", f"{stem}_training.png"]
+
+
+def _buffer(runs: list[RunResult], out: Path, stem: str) -> str:
+    """Bucket histogram over time (seed mean), retired questions, replay fraction, importance ratios."""
+    K = runs[0].config.rollout.num_generations
+    steps = [m["step"] for m in runs[0].history]
+    fig, axes = plt.subplots(1, 4, figsize=(14, 3.2))
+    hist = np.array([[[m.get(f"experience/bucket_{k}", 0.0) for m in r.history] for k in range(K + 1)]
+                     for r in runs]).mean(0)
+    present = [k for k in range(K + 1) if hist[k].any()]
+    axes[0].stackplot(steps, *[hist[k] for k in present], labels=[f"k={k}" for k in present])
+    axes[0].set(xlabel="step", title="buffer questions per bucket k")
+    axes[0].legend(fontsize=6, ncol=2, loc="upper left")
+    for ax, key, title in ((axes[1], "experience/retired", "retired questions (K/K)"),
+                           (axes[2], "experience/replay_fraction", "replayed questions / batch")):
+        _band(ax, steps, _series(runs, key)[1], runs[0].arm.label)
+        ax.set(xlabel="step", title=title)
+    for key, label in (("replay/ratio_mean", "w = π/π_old (mean)"), ("replay/ratio_max", "w (max)"),
+                       ("replay/shaped_weight_mean", "shaped f(w) (mean)")):
+        steps_k, rows = _series(runs, key)
+        _band(axes[3], steps_k, rows, label)
+    axes[3].set(xlabel="step", title="replayed tokens: importance weights")
+    axes[3].legend(fontsize=6)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    _save(fig, out / f"{stem}_buffer.png")
+    return f"{stem}_buffer.png"
+
+
+def _final_bars(arms: dict[str, list[RunResult]], names: list[str], out: Path, stem: str) -> str:
+    fig, ax = plt.subplots(figsize=(1.4 * len(names) + 2, 3.4))
+    for i, name in enumerate(names):
+        finals = [r.evaluations()[-1][1] for r in arms[name]]
+        ax.bar(i, np.mean(finals), yerr=np.std(finals, ddof=1) if len(finals) > 1 else 0, alpha=0.6, capsize=4)
+        ax.scatter([i] * len(finals), finals, color="black", s=10, zorder=3)
+    ax.set_xticks(range(len(names)), [arms[n][0].arm.label for n in names], rotation=20, ha="right", fontsize=8)
+    ax.set(ylabel="final held-out accuracy", title="Final held-out accuracy (bars: mean ± std; dots: seeds)")
+    ax.grid(alpha=0.3, axis="y")
+    _save(fig, out / f"{stem}_final.png")
+    return f"{stem}_final.png"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}"
+
+
+def final_table(study: Study, arms: dict[str, list[RunResult]], names: list[str]) -> list[str]:
+    """One row per arm: start, final and mean-over-evaluations accuracy (mean ± std over seeds, standard error of the
+    mean), the paired difference to the baseline on the seeds both have, wall time."""
+    base = {r.seed: r for r in arms[study.baseline]}
+    lines = ["| arm | seeds | before | final: mean ± std (SE) | per seed | mean of evals after step 0 | "
+             f"Δ final vs {arms[study.baseline][0].arm.label} (paired) | wall / run |",
+             "|---|---|---:|---:|---|---:|---:|---:|"]
+    for name in names:
+        runs = arms[name]
+        finals = np.array([r.evaluations()[-1][1] for r in runs])
+        auc = np.array([np.mean([a for _, a in r.evaluations()[1:]]) for r in runs])
+        std = finals.std(ddof=1) if len(runs) > 1 else 0.0
+        diffs = np.array([r.evaluations()[-1][1] - base[r.seed].evaluations()[-1][1] for r in runs if r.seed in base])
+        delta = "—" if name == study.baseline or not len(diffs) else (
+            f"{100 * diffs.mean():+.1f} ± {100 * diffs.std(ddof=1):.1f}" if len(diffs) > 1
+            else f"{100 * diffs.mean():+.1f}")
+        wall = np.mean([sum(m["time/step"] for m in r.history) for r in runs]) / 60
+        lines.append(
+            f"| {runs[0].arm.label} | {', '.join(str(r.seed) for r in runs)} | "
+            f"{_pct(np.mean([r.initial['accuracy'] for r in runs]))} | {_pct(finals.mean())} ± {_pct(std)} "
+            f"({_pct(std / np.sqrt(len(runs)))}) | {' / '.join(_pct(f) for f in finals)} | "
+            f"{_pct(auc.mean())} ± {_pct(auc.std(ddof=1) if len(runs) > 1 else 0.0)} | {delta} | {wall:.1f} min |")
+    return lines
+
+
+def buffer_table(arms: dict[str, list[RunResult]], names: list[str]) -> list[str]:
+    """Per arm at the end of training (mean over seeds): buffer, retirement, replays, importance weights."""
+    lines = ["| arm | mixed from step | replayed questions | buffer questions | trajectories | retired | "
+             "replay w mean [min, max] | f(w) mean |", "|---|---:|---:|---:|---:|---:|---|---:|"]
+    for name in names:
+        runs = arms[name]
+        switch = [next((m["step"] for m in r.history if m["phase"] == "mixed"), np.nan) for r in runs]
+        last = [r.history[-1] for r in runs]
+
+        def avg(key, rows=None):
+            return np.nanmean([m.get(key, np.nan) for m in (rows or last)])
+
+        replay_rows = [m for r in runs for m in r.history if "replay/ratio_mean" in m]
+        weights = "—" if not replay_rows else (
+            f"{avg('replay/ratio_mean', replay_rows):.3f} [{min(m['replay/ratio_min'] for m in replay_rows):.3f}, "
+            f"{max(m['replay/ratio_max'] for m in replay_rows):.3f}]")
+        shaped = "—" if not replay_rows else f"{avg('replay/shaped_weight_mean', replay_rows):.3f}"
+        replayed = np.mean([sum(m["experience/replayed"] for m in r.history) for r in runs])
+        lines.append(f"| {runs[0].arm.label} | {np.nanmean(switch):.1f} | {replayed:.1f} | "
+                     f"{avg('experience/questions'):.1f} | {avg('experience/trajectories'):.1f} | "
+                     f"{avg('experience/retired'):.1f} | {weights} | {shaped} |")
+    return lines
+
+
+def write_study_report(study: Study, out: str | Path, main_arms: list[str]) -> Path:
+    """Plots and tables for all arms; `main_arms` (e.g. GRPO and ExGRPO) get the curves and the buffer plot is
+    drawn for the last of them. Returns the markdown file (report.md in `out`)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    arms = _by_arm(load_results(study))
+    names = [a.name for a in study.arms]
+    ablations = [n for n in names if n not in main_arms]
+    plots = _curves(arms, main_arms, out, "main")
+    plots.append(_buffer(arms[main_arms[-1]], out, "main"))
+    if ablations:
+        plots += _curves(arms, [main_arms[-1], *ablations], out, "ablations")
+    plots.append(_final_bars(arms, names, out, "all"))
+    c = arms[names[0]][0].config
+    lines = [
+        f"# Study `{study.path.name}`", "",
+        f"Base config `{study.base.name}`, {c.train.steps} steps × {c.train.prompts_per_step} questions × "
+        f"K = {c.rollout.num_generations}; held-out accuracy = avg@{c.eval.samples} at temperature "
+        f"{c.eval.temperature} over {arms[names[0]][0].initial['num_questions']} held-out questions; ± is the std over seeds, "
+        "SE = std / √seeds.", "",
+        "## Final held-out accuracy", "", *final_table(study, arms, names), "",
+        "## Buffer and replay (end of training, mean over seeds)", "", *buffer_table(arms, names), "",
+        *[f"![{p}]({p})" for p in plots], "",
+    ]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+

@@ -1,0 +1,97 @@
+"""Multi-seed studies: runs, skip/resume bookkeeping, the shared before-training evaluation, the report."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from exgrpo.config import ConfigError
+from exgrpo.experiment import completed_steps, load_results, load_study, run_study
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _study(tmp_path, arms=None, **extra):
+    spec = {
+        "base": str(ROOT / "configs" / "tiny.yaml"), "output_dir": "runs", "seeds": [1, 2],
+        "overrides": ["train.steps=3", "train.save_every=2", "eval.every=2", "logging.progress=false", "logging.sample_every=0"],
+        "baseline": "grpo",
+        "arms": arms if arms is not None else {"grpo": {"label": "GRPO", "overrides": ["experience.ratio=0"]},
+                         "exgrpo": {"label": "ExGRPO"},
+                         "uniform": {"overrides": ["experience.bucket_scheme=uniform"], "seeds": [1]}},
+        **extra,
+    }
+    path = tmp_path / "study.yaml"
+    path.write_text(json.dumps(spec))  # JSON is YAML
+    return path
+
+
+def test_study_runs_every_arm_and_seed_once_and_reports(tmp_path):
+    study = load_study(_study(tmp_path))
+    messages = []
+    run_study(study, log=messages.append)
+    assert sum("starting" in m for m in messages) == 5
+    for arm in study.arms:
+        for seed in arm.seeds:
+            assert completed_steps(study.run_dir(arm, seed)) == 3
+    # arms of one seed start from the same model, data and eval seed: one before-training evaluation per seed
+    assert len(list((study.output_dir / "initial").glob("*.json"))) == 2
+    results = load_results(study)
+    grpo = [r for r in results if r.arm.name == "grpo"]
+    assert all(m["experience/replayed"] == 0 for r in grpo for m in r.history)
+    assert [s for s, _ in grpo[0].evaluations()] == [0, 2]
+    assert grpo[0].fresh_rollouts() == [16, 32, 48]  # 4 questions × K=4 per step, nothing replayed
+
+    messages.clear()
+    run_study(study, log=messages.append)  # everything complete: nothing runs again
+    assert len(messages) == 5 and all("skipped" in m for m in messages)
+
+    out = tmp_path / "report"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "exgrpo", "experiment", "report", str(tmp_path / "study.yaml"),
+                           "--main", "grpo", "exgrpo", "--output", str(out)], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    text = (out / "report.md").read_text()
+    assert "| GRPO | 1, 2 |" in text and "| uniform | 1 |" in text
+    for png in ("main_heldout.png", "main_training.png", "main_buffer.png", "ablations_heldout.png", "all_final.png"):
+        assert (out / png).stat().st_size > 1000 and f"({png})" in text
+
+
+def test_interrupted_run_resumes_and_report_waits_for_it(tmp_path):
+    path = _study(tmp_path, arms={"grpo": {"overrides": ["experience.ratio=0"]}}, seeds=[1])
+    study = load_study(path)
+    arm = study.arm("grpo")
+    run_study(study, log=lambda m: None)
+    metrics = study.run_dir(arm, 1) / "metrics.jsonl"
+    full = metrics.read_text().splitlines()
+    # as if killed after step 2: only that checkpoint is left
+    for ckpt in (study.run_dir(arm, 1) / "checkpoints").iterdir():
+        if ckpt.name.endswith("000003"):
+            import shutil
+
+            shutil.rmtree(ckpt)
+    assert completed_steps(study.run_dir(arm, 1)) == 2
+    with pytest.raises(ConfigError, match="grpo/seed-1"):
+        load_results(study)
+    messages = []
+    run_study(study, log=messages.append)
+    assert messages == ["grpo seed 1: resuming at step 2"]
+    assert [json.loads(x)["reward"] for x in metrics.read_text().splitlines()] == \
+        [json.loads(x)["reward"] for x in full]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"seeds": []}, "seeds: expected a non-empty list"),
+    ({"arms": {}}, "arms: expected a mapping"),
+    ({"colour": 1}, r"unknown keys \['colour'\]"),
+    ({"baseline": "nope"}, "no arm 'nope'"),
+    ({"arms": {"a": {"overrides": ["experience.ratio=two"]}}, "baseline": "a"}, "arm 'a'.*experience.ratio"),
+    ({"arms": {"a": {"overrides": "experience.ratio=0"}}, "baseline": "a"}, "arms.a.overrides: expected a list"),
+])
+def test_bad_study_files_name_the_key(tmp_path, change, message):
+    path = _study(tmp_path, **change)
+    with pytest.raises(ConfigError, match=message):
+        load_study(path)
