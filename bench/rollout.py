@@ -13,8 +13,8 @@ measurement:
   counts completion tokens up to and including EOS; row_steps_per_s counts rows x decode steps (the work the
   decode loop does, finished rows included). The methods alternate, R repeats each; medians are reported.
 * "rollout" (mode "fixed"): both forced to exactly max_new_tokens (min_new_tokens = max_new_tokens); the engine's
-  path is reproduced as HFEngine builds it (do_sample=False + LogitsProcessorList([PerRowSampler])), since the
-  engine API has no min_new_tokens. Equal token counts, so tokens/s compare the decode cost directly.
+  path is reproduced as HFEngine builds it (the prompts prefilled once per distinct prompt, then do_sample=False +
+  LogitsProcessorList([PerRowSampler])), since the engine API has no min_new_tokens. Equal token counts, so tokens/s compare the decode cost directly.
 * "sampler": one logits-processor call on an (N, V) score matrix: PerRowSampler vs the default sampling path
   (softmax + torch.multinomial), ms per call, i.e. the per-decode-step overhead of per-row random streams.
 """
@@ -91,6 +91,7 @@ def bench_model(name: str, repeats: int, threads: int) -> None:
             return [len(c) for c in r.completion_ids], max(len(c) for c in r.completion_ids)
         with torch.no_grad():
             o = model.generate(input_ids=ids, attention_mask=attention, do_sample=False,
+                               past_key_values=engine._shared_prefill(ids, attention),
                                logits_processor=LogitsProcessorList([PerRowSampler(sampling, seeds)]),
                                max_new_tokens=T, min_new_tokens=T, pad_token_id=tok.pad_token_id,
                                eos_token_id=sorted(eos), temperature=None, top_p=None, top_k=None)

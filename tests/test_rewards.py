@@ -286,3 +286,12 @@ def test_combine_rewards_rejects_wrong_lengths():
 
     with pytest.raises(ValueError, match="'short' returned 1 rewards for 2 completions"):
         combine_rewards([short], [1.0], ["p", "q"], ["a", "b"], [[1], [2]], {})
+
+
+def test_items_queued_behind_a_lost_item_are_graded_on_a_new_worker(pool):
+    """Workers get items ahead of time; when one hangs or dies, only its current item scores 0."""
+    pool.pop_stats()
+    completions = ["crash", "a", "crash", "b", "hang", "c", "a", "crash"]
+    scores = pool.grade(misbehaving_grader, completions, ["a", "a", "a", "b", "a", "c", "a", "a"])
+    assert scores == [0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0]
+    assert pool.pop_stats() == {"graded": 8, "timeouts": 1, "crashes": 3}

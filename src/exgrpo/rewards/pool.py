@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
+_PIPELINE = 2  # items sent ahead to each worker
 _START_TIMEOUT_S = 120.0  # a spawned worker imports sympy and math-verify before it reports ready
 
 Grader = Callable[..., float]
@@ -154,38 +155,57 @@ class GradingPool:
         if not self._workers:
             self._start()
         scores = [0.0] * len(completions)
-        todo, idle = deque(range(len(completions))), list(self._workers)
-        busy: dict[Connection, tuple[_Worker, int, float]] = {}  # conn -> (worker, item, deadline)
+        todo = deque(range(len(completions)))
+        # Each worker holds up to _PIPELINE items, so it starts the next one without waiting for a round trip to
+        # this process. Only the item it is working on (the head of its queue) has a deadline.
+        queues: dict[Connection, tuple[_Worker, deque[int]]] = {w.conn: (w, deque()) for w in self._workers}
+        deadlines: dict[Connection, float] = {}
+
+        def replace(conn: Connection) -> None:  # a new worker; the lost one's queued items (not its head) go back
+            w, queue = queues.pop(conn)
+            todo.extendleft(reversed(list(queue)[1:]))
+            deadlines.pop(conn, None)
+            new = self._replace(w)
+            queues[new.conn] = (new, deque())
+
         try:
-            while todo or busy:
-                while todo and idle:
-                    w, i = idle.pop(), todo.popleft()
-                    try:
-                        w.conn.send((grader, completions[i], golds[i], kwargs))
-                    except (BrokenPipeError, ConnectionResetError):  # died while idle (e.g. OOM-killed): retry
-                        todo.appendleft(i)
-                        idle.append(self._replace(w))
-                        continue
-                    busy[w.conn] = (w, i, time.monotonic() + self.timeout)
-                wait(list(busy), timeout=max(0.0, min(d for _, _, d in busy.values()) - time.monotonic()))
+            while todo or any(q for _, q in queues.values()):
+                for conn, (w, queue) in list(queues.items()):
+                    while todo and len(queue) < _PIPELINE:
+                        i = todo.popleft()
+                        try:
+                            w.conn.send((grader, completions[i], golds[i], kwargs))
+                        except (BrokenPipeError, ConnectionResetError):
+                            todo.appendleft(i)
+                            if not queue:  # died while idle (e.g. OOM-killed): a new worker takes the item
+                                replace(conn)
+                            break  # otherwise its pending replies, then EOF, are read below
+                        if not queue:
+                            deadlines[conn] = time.monotonic() + self.timeout
+                        queue.append(i)
+                if not deadlines:
+                    continue
+                wait(list(deadlines), timeout=max(0.0, min(deadlines.values()) - time.monotonic()))
                 now = time.monotonic()
-                for conn, (w, i, deadline) in list(busy.items()):
-                    if conn.poll():
-                        del busy[conn]
+                for conn in list(deadlines):
+                    w, queue = queues[conn]
+                    while queue and conn.poll():
                         try:
                             result = conn.recv()
-                        except EOFError:  # the worker died mid-item (segfault, os._exit, OOM kill)
+                        except (EOFError, ConnectionResetError):  # it died mid-item (segfault, os._exit, OOM kill)
                             self.stats["crashes"] += 1
-                            idle.append(self._replace(w))
-                            continue
+                            replace(conn)
+                            break
                         if isinstance(result, str):
                             raise RuntimeError(result)
-                        scores[i] = result
-                        idle.append(w)
-                    elif deadline <= now:
-                        del busy[conn]
-                        self.stats["timeouts"] += 1
-                        idle.append(self._replace(w))
+                        scores[queue.popleft()] = result
+                        deadlines[conn] = now + self.timeout  # the next queued item started about now
+                    else:
+                        if not queue:
+                            del deadlines[conn]
+                        elif deadlines[conn] <= now:
+                            self.stats["timeouts"] += 1
+                            replace(conn)
         except BaseException:
             self._finalizer()  # busy workers' late replies would be read as the next call's scores; restart all
             raise
