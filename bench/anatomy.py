@@ -1,17 +1,21 @@
-"""Where exgrpo's update and rollout time goes: the shared-prompt forward and prefill exgrpo uses against the
-per-row computation they replaced, and LoRA merging for generation (measured, not adopted).
+"""Where exgrpo's update and rollout time goes, and what three bench-only prototypes would save (src/ untouched).
 
     .venv/bin/python bench/anatomy.py [--models smollm2 tiny] [--repeats 3]
 
 On one real batch (the step benchmark's: B prompts of the demo's addition set, K rollouts each from exgrpo's own
 HFEngine, SmolLM2 with the demo's LoRA), one JSON line per variant, medians of R repeats after a warm-up:
 
-* "update/full_forward": every row runs its own prompt (one forward over the (N, P+T) batch, log-softmax, entropy),
-  then `mixed_policy_loss` and backward; split into forward and loss+backward.
-* "update/trainer": the trainer's `_token_logps` (each group's prompt run once, its KV cache indexed out to the K
-  rows, gradients flowing back through it), same loss; `max_abs_logp_diff` against the full forward.
-* "rollout/prefill": the no-grad prompt forward that starts generation, over all B*K rows vs once per distinct
-  prompt (B rows, what HFEngine does), and the full HFEngine rollout for scale.
+* "update/current": the trainer's own micro-batch path (`_token_logps` with entropies, `mixed_policy_loss`,
+  backward), split into forward and loss+backward; "update/current_entropy_bonus": the same with the default
+  entropy_coef 0.001 (the step benchmark uses 0, as TRL does), so the entropy term is differentiated too.
+* "update/no_entropy": the same without computing token entropies in the training forward.
+* "update/logsumexp_head": log-probs as logit[target] - logsumexp(logits) on the (N, T, V) logits, no full log-softmax
+  tensor and no entropy (what a fused/chunked head would start from).
+* "update/prefix_shared": the K members of a group share their prompt: the prompt is run once per group
+  (use_cache) and its KV cache repeated K times for the completion tokens, gradients flowing back through the
+  cache; `max_abs_logp_diff` checks the log-probs against the full forward.
+* "rollout/prefill": the no-grad prompt forward that starts generation, over all B*K rows (what `generate` does)
+  vs once per distinct prompt (B rows), and the full HFEngine rollout for scale.
 * "rollout/lora_merged" (LoRA models): the HFEngine rollout through the unmerged adapters (as the trainer does)
   vs with `merge_adapter()` before and `unmerge_adapter()` after it, same seeds.
 """
@@ -104,21 +108,41 @@ def bench_model(name: str, repeats: int) -> None:
 
         return median_times(once, repeats)
 
+    current = lambda: trainer._token_logps(trainer.model, batch, True)  # noqa: E731
+    out({**base, "variant": "update/current", **run(current)})
+    out({**base, "variant": "update/current_entropy_bonus", **run(current, 0.001)})
+    out({**base, "variant": "update/no_entropy", **run(lambda: trainer._token_logps(trainer.model, batch, False))})
+
     temperature = config.rollout.temperature
 
-    def full_forward():
+    def logsumexp_head():
         o = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                           position_ids=batch["position_ids"], logits_to_keep=T + 1, use_cache=False)
-        log_probs = torch.log_softmax(o.logits[:, :-1].float() / temperature, dim=-1)
-        logp = log_probs.gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
-        return logp, -(log_probs.exp() * log_probs).sum(-1)
+        logits = o.logits[:, :-1] / temperature
+        target = logits.gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+        return target - torch.logsumexp(logits, dim=-1), None
 
-    trainer_forward = lambda: trainer._token_logps(trainer.model, batch, True)  # noqa: E731
+    out({**base, "variant": "update/logsumexp_head", **run(logsumexp_head)})
+
+    def prefix_shared():
+        first = torch.arange(0, N, K)  # one row per group: its members share the prompt
+        o1 = trainer.model(input_ids=batch["input_ids"][first, :P], attention_mask=batch["attention_mask"][first, :P],
+                           position_ids=batch["position_ids"][first, :P], use_cache=True, logits_to_keep=1)
+        cache = o1.past_key_values
+        cache.batch_repeat_interleave(K)
+        o2 = trainer.model(input_ids=batch["completion_ids"], attention_mask=batch["attention_mask"],
+                           position_ids=batch["position_ids"][:, P:], past_key_values=cache, use_cache=True)
+        logits = torch.cat([o1.logits.repeat_interleave(K, dim=0), o2.logits[:, :-1]], dim=1).float() / temperature
+        log_probs = torch.log_softmax(logits, dim=-1)
+        logp = log_probs.gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+        return logp, None
+
     with torch.no_grad():
         trainer.model.eval()
-        diff = float(((full_forward()[0] - trainer_forward()[0]).abs() * mask).max())
-    out({**base, "variant": "update/full_forward", **run(full_forward)})
-    out({**base, "variant": "update/trainer", "max_abs_logp_diff": diff, **run(trainer_forward)})
+        full, _ = trainer._token_logps(trainer.model, batch, False)
+        shared, _ = prefix_shared()
+        diff = float(((full - shared).abs() * mask).max())
+    out({**base, "variant": "update/prefix_shared", "max_abs_logp_diff": diff, **run(prefix_shared)})
 
     trainer.model.eval()
     ids, att, pos = batch["input_ids"][:, :P], batch["attention_mask"][:, :P], batch["position_ids"][:, :P]

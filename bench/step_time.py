@@ -37,7 +37,6 @@ import json
 import logging
 import os
 import statistics
-import sys
 import tempfile
 import time
 import warnings

@@ -43,7 +43,8 @@ def _tiny_trainer(tmp_path, reward=None, **train):
         "logging": {"output_dir": str(tmp_path / "run"), "progress": False, "tensorboard": False},
     })
     questions = [Question(f"q{i}", ({"role": "user", "content": "hi"},), "1", {}) for i in range(8)]
-    reward = reward or (lambda prompts, completions, completion_ids, answer, **_: [float(c[:1] < "m") for c in completions])
+    reward = reward or (lambda prompts, completions, completion_ids, answer, **_:
+                        [float(c[:1] < "m") for c in completions])
     model, tokenizer = load_policy("tiny:0")
     return ExGRPOTrainer(model, tokenizer, [reward], config, questions)
 
@@ -121,7 +122,8 @@ CASES = {
     "grader that hangs": (_timeout, lambda action: action()),
     "grader that crashes": (_crash, lambda action: action()),
     "reward function returning the wrong length": (
-        lambda p: combine_rewards([lambda **kw: [1.0]], [1.0], ["a", "b"], ["x", "y"], [[1], [2]], {"answer": ["1", "2"]}),
+        lambda p: combine_rewards([lambda **kw: [1.0]], [1.0], ["a", "b"], ["x", "y"], [[1], [2]],
+                                  {"answer": ["1", "2"]}),
         _raises(ValueError, "returned 1 rewards for 2 completions")),
     "reward function returning None": (_nan_reward_is_skipped_by_nansum, lambda action: action()),
     # numerics and the run

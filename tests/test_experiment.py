@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def _study(tmp_path, arms=None, **extra):
     spec = {
         "base": str(ROOT / "configs" / "tiny.yaml"), "output_dir": "runs", "seeds": [1, 2],
-        "overrides": ["train.steps=3", "train.save_every=2", "eval.every=2", "logging.progress=false", "logging.sample_every=0"],
+        "overrides": ["train.steps=3", "train.save_every=2", "eval.every=2", "logging.progress=false",
+                      "logging.sample_every=0"],
         "baseline": "grpo",
         "arms": arms if arms is not None else {"grpo": {"label": "GRPO", "overrides": ["experience.ratio=0"]},
                          "exgrpo": {"label": "ExGRPO"},

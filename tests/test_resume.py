@@ -74,7 +74,8 @@ def test_sigkill_and_resume_matches_an_uninterrupted_run(tmp_path):
         config = load_config(ROOT / "configs" / "tiny.yaml", OVERRIDES + [f"logging.output_dir={run}"])
         resumed = build_run(config)
         resumed.trainer.resume(latest)
-        assert resumed.trainer.buffer.fingerprint() == ExperienceBuffer.load(latest / "buffer.safetensors").fingerprint()
+        stored = ExperienceBuffer.load(latest / "buffer.safetensors")
+        assert resumed.trainer.buffer.fingerprint() == stored.fingerprint()
         assert resumed.trainer.step == int(latest.name.split("-")[1]) and resumed.trainer.phase == "mixed"
         resumed.close()
         proc = _train(run, resume=True)

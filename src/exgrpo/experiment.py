@@ -69,6 +69,7 @@ class Study:
         """Where the before-training evaluation of a run is kept. Runs whose start is the same (model, data,
         rollout, reward, eval settings and seed) share it, so each seed's starting point is evaluated once."""
         d = config.to_dict()
+        d["eval"].pop("every")
         start = {k: d[k] for k in ("model", "data", "rollout", "reward", "eval")} | {"seed": config.train.seed}
         key = hashlib.sha256(json.dumps(start, sort_keys=True).encode()).hexdigest()[:16]
         return self.output_dir / "initial" / f"{key}.json"

@@ -45,7 +45,8 @@ def _save(fig, path: Path) -> None:
 
 def _curves(arms: dict[str, list[RunResult]], names: list[str], out: Path, stem: str) -> list[str]:
     """Held-out accuracy vs step and vs rollouts consumed; training reward, entropy, gradient norm, length."""
-    fig, (by_step, by_rollouts) = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    fig, (by_step, by_rollouts, paired) = plt.subplots(1, 3, figsize=(15, 3.6))
+    base = {r.seed: dict(r.evaluations()) for r in arms[names[0]]}
     for name in names:
         runs = arms[name]
         label = runs[0].arm.label
@@ -53,9 +54,15 @@ def _curves(arms: dict[str, list[RunResult]], names: list[str], out: Path, stem:
         _band(by_step, steps, [[a for _, a in r.evaluations()] for r in runs], label)
         rollouts = [[0] + [r.fresh_rollouts()[s - 1] for s in steps[1:]] for r in runs]
         _band(by_rollouts, np.mean(rollouts, 0), [[a for _, a in r.evaluations()] for r in runs], label)
+        if name != names[0]:  # per seed: this arm minus the first arm at the steps both evaluated
+            for r in runs:
+                diff = [(s, a - base[r.seed][s]) for s, a in r.evaluations() if s in base.get(r.seed, {})]
+                paired.plot(*zip(*diff), marker="o", markersize=3, alpha=0.8, label=f"{label}, seed {r.seed}")
+    paired.axhline(0, color="black", linewidth=0.8)
+    paired.set(xlabel="step", title=f"Paired difference to {arms[names[0]][0].arm.label} (per seed)")
     by_step.set(xlabel="step", ylabel="held-out accuracy (avg@k)", title="Held-out accuracy vs step")
     by_rollouts.set(xlabel="sampled completions (cumulative)", title="… vs rollouts consumed")
-    for ax in (by_step, by_rollouts):
+    for ax in (by_step, by_rollouts, paired):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     _save(fig, out / f"{stem}_heldout.png")
@@ -82,9 +89,10 @@ def _buffer(runs: list[RunResult], out: Path, stem: str) -> str:
     hist = np.array([[[m.get(f"experience/bucket_{k}", 0.0) for m in r.history] for k in range(K + 1)]
                      for r in runs]).mean(0)
     present = [k for k in range(K + 1) if hist[k].any()]
-    axes[0].stackplot(steps, *[hist[k] for k in present], labels=[f"k={k}" for k in present])
+    if present:  # an arm without experience (GRPO) has an empty buffer
+        axes[0].stackplot(steps, *[hist[k] for k in present], labels=[f"k={k}" for k in present])
+        axes[0].legend(fontsize=6, ncol=2, loc="upper left")
     axes[0].set(xlabel="step", title="buffer questions per bucket k")
-    axes[0].legend(fontsize=6, ncol=2, loc="upper left")
     for ax, key, title in ((axes[1], "experience/retired", "retired questions (K/K)"),
                            (axes[2], "experience/replay_fraction", "replayed questions / batch")):
         _band(ax, steps, _series(runs, key)[1], runs[0].arm.label)
@@ -118,28 +126,37 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}"
 
 
-def final_table(study: Study, arms: dict[str, list[RunResult]], names: list[str]) -> list[str]:
+def _paired_delta(runs: list[RunResult], reference: list[RunResult]) -> str:
+    """Final accuracy minus the reference arm's on the same seed, mean ± std over the seeds both have."""
+    ref = {r.seed: r.evaluations()[-1][1] for r in reference}
+    diffs = np.array([r.evaluations()[-1][1] - ref[r.seed] for r in runs if r.seed in ref])
+    if runs[0].arm == reference[0].arm or not len(diffs):
+        return "—"
+    return f"{100 * diffs.mean():+.1f} ± {100 * diffs.std(ddof=1):.1f}" if len(diffs) > 1 else \
+        f"{100 * diffs.mean():+.1f}"
+
+
+def final_table(arms: dict[str, list[RunResult]], names: list[str], references: list[str]) -> list[str]:
     """One row per arm: start, final and mean-over-evaluations accuracy (mean ± std over seeds, standard error of the
-    mean), the paired difference to the baseline on the seeds both have, wall time."""
-    base = {r.seed: r for r in arms[study.baseline]}
+    mean), paired differences to the reference arms, training time."""
     lines = ["| arm | seeds | before | final: mean ± std (SE) | per seed | mean of evals after step 0 | "
-             f"Δ final vs {arms[study.baseline][0].arm.label} (paired) | wall / run |",
-             "|---|---|---:|---:|---|---:|---:|---:|"]
+             + " | ".join(f"Δ final vs {arms[n][0].arm.label} (paired)" for n in references)
+             + " | training time / run |",
+             "|---|---|---:|---:|---|---:|" + "---:|" * len(references) + "---:|"]
     for name in names:
         runs = arms[name]
         finals = np.array([r.evaluations()[-1][1] for r in runs])
+        curve = all(len(r.evaluations()) > 2 for r in runs)  # arms evaluated only at the end have no mean
         auc = np.array([np.mean([a for _, a in r.evaluations()[1:]]) for r in runs])
         std = finals.std(ddof=1) if len(runs) > 1 else 0.0
-        diffs = np.array([r.evaluations()[-1][1] - base[r.seed].evaluations()[-1][1] for r in runs if r.seed in base])
-        delta = "—" if name == study.baseline or not len(diffs) else (
-            f"{100 * diffs.mean():+.1f} ± {100 * diffs.std(ddof=1):.1f}" if len(diffs) > 1
-            else f"{100 * diffs.mean():+.1f}")
-        wall = np.mean([sum(m["time/step"] for m in r.history) for r in runs]) / 60
+        auc_std = auc.std(ddof=1) if len(runs) > 1 else 0.0
+        train_minutes = np.mean([sum(m["time/step"] for m in r.history) for r in runs]) / 60
         lines.append(
             f"| {runs[0].arm.label} | {', '.join(str(r.seed) for r in runs)} | "
             f"{_pct(np.mean([r.initial['accuracy'] for r in runs]))} | {_pct(finals.mean())} ± {_pct(std)} "
             f"({_pct(std / np.sqrt(len(runs)))}) | {' / '.join(_pct(f) for f in finals)} | "
-            f"{_pct(auc.mean())} ± {_pct(auc.std(ddof=1) if len(runs) > 1 else 0.0)} | {delta} | {wall:.1f} min |")
+            + (f"{_pct(auc.mean())} ± {_pct(auc_std)}" if curve else "—") + " | "
+            + " | ".join(_paired_delta(runs, arms[n]) for n in references) + f" | {train_minutes:.1f} min |")
     return lines
 
 
@@ -149,7 +166,8 @@ def buffer_table(arms: dict[str, list[RunResult]], names: list[str]) -> list[str
              "replay w mean [min, max] | f(w) mean |", "|---|---:|---:|---:|---:|---:|---|---:|"]
     for name in names:
         runs = arms[name]
-        switch = [next((m["step"] for m in r.history if m["phase"] == "mixed"), np.nan) for r in runs]
+        switched = [s for s in (next((m["step"] for m in r.history if m["phase"] == "mixed"), None) for r in runs)
+                    if s is not None]
         last = [r.history[-1] for r in runs]
 
         def avg(key, rows=None):
@@ -161,7 +179,8 @@ def buffer_table(arms: dict[str, list[RunResult]], names: list[str]) -> list[str
             f"{max(m['replay/ratio_max'] for m in replay_rows):.3f}]")
         shaped = "—" if not replay_rows else f"{avg('replay/shaped_weight_mean', replay_rows):.3f}"
         replayed = np.mean([sum(m["experience/replayed"] for m in r.history) for r in runs])
-        lines.append(f"| {runs[0].arm.label} | {np.nanmean(switch):.1f} | {replayed:.1f} | "
+        switch = f"{np.mean(switched):.1f}" if switched else "—"
+        lines.append(f"| {runs[0].arm.label} | {switch} | {replayed:.1f} | "
                      f"{avg('experience/questions'):.1f} | {avg('experience/trajectories'):.1f} | "
                      f"{avg('experience/retired'):.1f} | {weights} | {shaped} |")
     return lines
@@ -181,13 +200,16 @@ def write_study_report(study: Study, out: str | Path, main_arms: list[str]) -> P
         plots += _curves(arms, [main_arms[-1], *ablations], out, "ablations")
     plots.append(_final_bars(arms, names, out, "all"))
     c = arms[names[0]][0].config
+    rows = {r.seed: r.initial["num_questions"] for runs in arms.values() for r in runs}
+    held_out = ", ".join(f"seed {seed}: {n}" for seed, n in sorted(rows.items()))
+    references = list(dict.fromkeys([study.baseline, main_arms[-1]]))  # deltas against GRPO and against ExGRPO
     lines = [
         f"# Study `{study.path.name}`", "",
         f"Base config `{study.base.name}`, {c.train.steps} steps × {c.train.prompts_per_step} questions × "
         f"K = {c.rollout.num_generations}; held-out accuracy = avg@{c.eval.samples} at temperature "
-        f"{c.eval.temperature} over {arms[names[0]][0].initial['num_questions']} held-out questions; ± is the std over seeds, "
+        f"{c.eval.temperature} over each seed's held-out rows ({held_out}); ± is the std over seeds, "
         "SE = std / √seeds.", "",
-        "## Final held-out accuracy", "", *final_table(study, arms, names), "",
+        "## Final held-out accuracy", "", *final_table(arms, names, references), "",
         "## Buffer and replay (end of training, mean over seeds)", "", *buffer_table(arms, names), "",
         *[f"![{p}]({p})" for p in plots], "",
     ]

@@ -424,8 +424,8 @@ class ExGRPOTrainer:
             # each parameter still receives a single (summed) gradient from both passes.
             bare = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
             head = bare(
-                input_ids=input_ids[firsts, :P], attention_mask=attention[firsts, :P], position_ids=positions[firsts, :P],
-                use_cache=True, logits_to_keep=1)
+                input_ids=input_ids[firsts, :P], attention_mask=attention[firsts, :P],
+                position_ids=positions[firsts, :P], use_cache=True, logits_to_keep=1)
             cache = head.past_key_values
             cache.batch_select_indices(owner)
             out = model(input_ids=targets, attention_mask=attention, position_ids=positions[:, P:],
