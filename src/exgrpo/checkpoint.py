@@ -29,7 +29,12 @@ def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and (p / "trainer.json").is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]))
+    return sorted(found, key=checkpoint_step)
+
+
+def checkpoint_step(checkpoint: Path) -> int:
+    """The training step a checkpoint directory (step-NNNNNN) holds."""
+    return int(checkpoint.name[len(_PREFIX):])
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:

@@ -320,18 +320,23 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
     return pairs
 
 
+def read_yaml(path: Path, what: str):
+    """The parsed YAML of `path`; a missing file or invalid YAML is a ConfigError naming it."""
+    if not path.is_file():
+        raise ConfigError(f"{what} {path} does not exist")
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 base: dict | None = None) -> ExGRPOConfig:
     """Defaults, then `base` (e.g. a checkpoint's resolved config) or the YAML file, then dotted overrides."""
     tree: dict = dict(base or {})
     if path is not None:
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        loaded = read_yaml(path, "config file")
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
         tree = loaded or {}

@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import yaml
 
-from exgrpo.config import ConfigError, ExGRPOConfig, load_config
+from exgrpo.config import ConfigError, ExGRPOConfig, load_config, read_yaml
 
 _STUDY_KEYS = {"base", "output_dir", "seeds", "overrides", "baseline", "arms"}
 _ARM_KEYS = {"label", "overrides", "seeds"}
@@ -92,12 +91,7 @@ def _overrides(value, where: str) -> tuple[str, ...]:
 
 def load_study(path: str | Path) -> Study:
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"study file {path} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    raw = read_yaml(path, "study file")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping with keys {sorted(_STUDY_KEYS)}")
     unknown = set(raw) - _STUDY_KEYS
@@ -133,16 +127,16 @@ def _write_json_atomic(path: Path, value) -> None:
 
 
 def completed_steps(run_dir: Path) -> int:
-    from exgrpo.checkpoint import latest_checkpoint
+    from exgrpo.checkpoint import checkpoint_step, latest_checkpoint
 
     latest = latest_checkpoint(run_dir)
-    return int(latest.name.rsplit("-", 1)[1]) if latest is not None else 0
+    return checkpoint_step(latest) if latest is not None else 0
 
 
 def run_study(study: Study, arms: list[str] | None = None, seeds: list[int] | None = None,
               log: Callable[[str], None] = print) -> None:
     """Train every selected (arm, seed) run that has not reached its last step, resuming from its checkpoint."""
-    from exgrpo.checkpoint import latest_checkpoint
+    from exgrpo.checkpoint import checkpoint_step, latest_checkpoint
     from exgrpo.run import build_run
 
     selected = [study.arm(a) for a in arms] if arms else list(study.arms)
@@ -151,15 +145,14 @@ def run_study(study: Study, arms: list[str] | None = None, seeds: list[int] | No
             if seeds and seed not in seeds:
                 continue
             config = study.config(arm, seed)
-            run_dir = study.run_dir(arm, seed)
-            done = completed_steps(run_dir)
+            checkpoint = latest_checkpoint(study.run_dir(arm, seed))
+            done = checkpoint_step(checkpoint) if checkpoint is not None else 0
             if done >= config.train.steps:
                 log(f"{arm.name} seed {seed}: complete ({done} steps), skipped")
                 continue
             log(f"{arm.name} seed {seed}: " + (f"resuming at step {done}" if done else "starting"))
             run = build_run(config)
             try:
-                checkpoint = latest_checkpoint(run_dir)
                 if checkpoint is not None:
                     run.trainer.resume(checkpoint)
                 initial = study.initial_eval_path(config)
