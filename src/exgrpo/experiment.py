@@ -180,6 +180,10 @@ class RunResult:
         return [(0, self.initial["accuracy"])] + [(m["step"], m["eval/accuracy"]) for m in self.history
                                                   if "eval/accuracy" in m]
 
+    @property
+    def final_accuracy(self) -> float:
+        return self.evaluations()[-1][1]
+
     def fresh_rollouts(self) -> list[int]:
         """Cumulative sampled completions after each step (a replayed member is not sampled)."""
         per_step = self.config.train.prompts_per_step * self.config.rollout.num_generations

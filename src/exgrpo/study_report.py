@@ -112,7 +112,7 @@ def _buffer(runs: list[RunResult], out: Path, stem: str) -> str:
 def _final_bars(arms: dict[str, list[RunResult]], names: list[str], out: Path, stem: str) -> str:
     fig, ax = plt.subplots(figsize=(1.4 * len(names) + 2, 3.4))
     for i, name in enumerate(names):
-        finals = [r.evaluations()[-1][1] for r in arms[name]]
+        finals = [r.final_accuracy for r in arms[name]]
         ax.bar(i, np.mean(finals), yerr=np.std(finals, ddof=1) if len(finals) > 1 else 0, alpha=0.6, capsize=4)
         ax.scatter([i] * len(finals), finals, color="black", s=10, zorder=3)
     ax.set_xticks(range(len(names)), [arms[n][0].arm.label for n in names], rotation=20, ha="right", fontsize=8)
@@ -128,8 +128,8 @@ def _pct(x: float) -> str:
 
 def _paired_delta(runs: list[RunResult], reference: list[RunResult]) -> str:
     """Final accuracy minus the reference arm's on the same seed, mean ± std over the seeds both have."""
-    ref = {r.seed: r.evaluations()[-1][1] for r in reference}
-    diffs = np.array([r.evaluations()[-1][1] - ref[r.seed] for r in runs if r.seed in ref])
+    ref = {r.seed: r.final_accuracy for r in reference}
+    diffs = np.array([r.final_accuracy - ref[r.seed] for r in runs if r.seed in ref])
     if runs[0].arm == reference[0].arm or not len(diffs):
         return "—"
     return f"{100 * diffs.mean():+.1f} ± {100 * diffs.std(ddof=1):.1f}" if len(diffs) > 1 else \
@@ -145,7 +145,7 @@ def final_table(arms: dict[str, list[RunResult]], names: list[str], references: 
              "|---|---|---:|---:|---|---:|" + "---:|" * len(references) + "---:|"]
     for name in names:
         runs = arms[name]
-        finals = np.array([r.evaluations()[-1][1] for r in runs])
+        finals = np.array([r.final_accuracy for r in runs])
         curve = all(len(r.evaluations()) > 2 for r in runs)  # arms evaluated only at the end have no mean
         auc = np.array([np.mean([a for _, a in r.evaluations()[1:]]) for r in runs])
         std = finals.std(ddof=1) if len(runs) > 1 else 0.0
