@@ -5,7 +5,7 @@
 On one real batch (the step benchmark's: B prompts of the demo's addition set, K rollouts each from exgrpo's own
 HFEngine, SmolLM2 with the demo's LoRA), one JSON line per variant, medians of R repeats after a warm-up:
 
-* "update/current": the trainer's own micro-batch path (`_token_logps` with entropies, `mixed_policy_loss`,
+* "update/current": the trainer's own micro-batch path (`exgrpo.policy.token_logprobs` with entropies, `mixed_policy_loss`,
   backward), split into forward and loss+backward; "update/current_entropy_bonus": the same with the default
   entropy_coef 0.001 (the step benchmark uses 0, as TRL does), so the entropy term is differentiated too.
 * "update/no_entropy": the same without computing token entropies in the training forward.
@@ -40,7 +40,9 @@ from exgrpo.config import config_from_dict  # noqa: E402
 from exgrpo.data import load_questions  # noqa: E402
 from exgrpo.models import LoraSettings, apply_lora, load_policy  # noqa: E402
 from exgrpo.objective import mixed_policy_loss  # noqa: E402
-from exgrpo.trainer import WARMUP, ExGRPOTrainer, Member  # noqa: E402
+from exgrpo.policy import pack, token_logprobs  # noqa: E402
+from exgrpo.trainer import WARMUP, ExGRPOTrainer  # noqa: E402
+from exgrpo.update import loss_settings  # noqa: E402
 
 DEMO_DATA = ("reasoning_gym:basic_arithmetic?size=64&seed=1&min_terms=2&max_terms=2&min_digits=1&max_digits=2"
              "&operators=+&allow_negation=false&allow_parentheses=false")
@@ -77,24 +79,26 @@ def bench_model(name: str, repeats: int) -> None:
     trainer = ExGRPOTrainer(model, tok, [lambda prompts, completions, **kw: [0.0] * len(completions)], config,
                             questions)
     qs = questions[:B]
-    prompts = [trainer._prompt_ids(q) for q in qs]
+    prompts = [trainer.prompt_ids(q) for q in qs]
     t = time.perf_counter()
     rollouts = trainer.engine.generate([p for p in prompts for _ in range(K)], trainer.sampling,
                                        list(range(B * K)))
     rollout_s = time.perf_counter() - t
-    batch = trainer._pack([(prompts[i // K], Member(ids)) for i, ids in enumerate(rollouts.completion_ids)])
+    packed = pack([(prompts[i // K], ids, None) for i, ids in enumerate(rollouts.completion_ids)],
+                  tok.pad_token_id)
+    batch = {k: getattr(packed, k) for k in ("input_ids", "attention_mask", "position_ids", "completion_ids")}
     N, P = batch["input_ids"].shape[0], batch["input_ids"].shape[1] - batch["completion_ids"].shape[1]
     advantages = torch.randn(N)
-    mask = batch["completion_mask"]
+    mask = packed.completion_mask
     base = {"bench": "anatomy", "model": name, "rows": N, "prompt_len": P, "completion_len": T,
             "completion_tokens": int(mask.sum()), "lora": lora, "repeats": repeats}
 
     def loss_of(logp, entropy, settings):
-        return mixed_policy_loss(logp, logp.detach(), logp.detach(), advantages, mask, batch["replay_mask"],
+        return mixed_policy_loss(logp, logp.detach(), logp.detach(), advantages, mask, packed.replay_mask,
                                  settings, entropy=entropy, total_tokens=float(mask.sum()), total_sequences=float(N))[0]
 
     def run(forward, entropy_coef=0.0):
-        settings = dataclasses.replace(trainer._loss_settings(WARMUP), entropy_coef=entropy_coef)
+        settings = dataclasses.replace(loss_settings(config.objective, T, WARMUP), entropy_coef=entropy_coef)
         trainer.model.train()
 
         def once():
@@ -103,15 +107,15 @@ def bench_model(name: str, repeats: int) -> None:
             t1 = time.perf_counter()
             loss_of(logp, entropy, settings).backward()
             t2 = time.perf_counter()
-            trainer.optimizer.zero_grad(set_to_none=True)
+            trainer.update.optimizer.zero_grad(set_to_none=True)
             return {"forward_s": t1 - t0, "loss_backward_s": t2 - t1, "total_s": t2 - t0}
 
         return median_times(once, repeats)
 
-    current = lambda: trainer._token_logps(trainer.model, batch, True)  # noqa: E731
+    current = lambda: token_logprobs(trainer.model, packed, 1.0, with_entropy=True)  # noqa: E731
     out({**base, "variant": "update/current", **run(current)})
     out({**base, "variant": "update/current_entropy_bonus", **run(current, 0.001)})
-    out({**base, "variant": "update/no_entropy", **run(lambda: trainer._token_logps(trainer.model, batch, False))})
+    out({**base, "variant": "update/no_entropy", **run(lambda: token_logprobs(trainer.model, packed, 1.0))})
 
     temperature = config.rollout.temperature
 
@@ -139,7 +143,7 @@ def bench_model(name: str, repeats: int) -> None:
 
     with torch.no_grad():
         trainer.model.eval()
-        full, _ = trainer._token_logps(trainer.model, batch, False)
+        full, _ = token_logprobs(trainer.model, packed, 1.0)
         shared, _ = prefix_shared()
         diff = float(((full - shared).abs() * mask).max())
     out({**base, "variant": "update/prefix_shared", "max_abs_logp_diff": diff, **run(prefix_shared)})

@@ -91,7 +91,7 @@ def bench_model(name: str, repeats: int, threads: int) -> None:
             return [len(c) for c in r.completion_ids], max(len(c) for c in r.completion_ids)
         with torch.no_grad():
             o = model.generate(input_ids=ids, attention_mask=attention, do_sample=False,
-                               past_key_values=engine._shared_prefill(ids, attention),
+                               past_key_values=engine.shared_prefill(ids, attention),
                                logits_processor=LogitsProcessorList([PerRowSampler(sampling, seeds)]),
                                max_new_tokens=T, min_new_tokens=T, pad_token_id=tok.pad_token_id,
                                eos_token_id=sorted(eos), temperature=None, top_p=None, top_k=None)

@@ -114,7 +114,7 @@ class ExgrpoRunner:
             "rollout": {"num_generations": K, "max_completion_length": T, "temperature": 1.0, "top_p": 1.0,
                         "top_k": 0, "generation_batch_size": 256},
             "objective": {"scale_rewards": "none", "aggregation": "sum_constant", "normalizer": float(T),
-                          "entropy_coef": 0.0, "kl_coef": 0.0, "epsilon_low": 0.2, "epsilon_high": 0.2},
+                          "entropy_coef": 0.0, "epsilon_low": 0.2, "epsilon_high": 0.2},
             "experience": {"ratio": ratio, "start_threshold": 0.0},
             "train": {"steps": 10_000, "prompts_per_step": B, "mini_batches": 1, "micro_batch_size": B * K,
                       "learning_rate": preset["lr"], "weight_decay": 0.0, "lr_scheduler": "constant",
@@ -123,28 +123,11 @@ class ExgrpoRunner:
         })
         self.trainer = ExGRPOTrainer(model, tok, [reward], self.config, questions)
         self.tracker = Tracker(self.config.logging.output_dir, 10_000, tensorboard=True, progress=False)
-        # finer attribution, without touching src/: the forward passes and the optimizer step
-        # (private methods: a missing one only leaves its detail/* field at 0)
-        self.detail: dict[str, float] = {}
-        for method, key in (("_token_logps", "forward"), ("_optimizer_step", "optimizer"), ("_pack", "pack")):
-            if hasattr(self.trainer, method):
-                setattr(self.trainer, method, Timed(getattr(self.trainer, method), self.detail, key))
-        select = self.trainer._select_replays
-
-        def select_replays(*a, **kw):  # its scoring forwards are selection time, not update time
-            before = self.detail.get("forward", 0.0)
-            try:
-                return select(*a, **kw)
-            finally:
-                self.detail["selection_forward"] = self.detail.get("forward", 0.0) - before
-
-        self.trainer._select_replays = select_replays
 
     def prompt_ids(self, question) -> list[int]:
-        return self.trainer._prompt_ids(question)
+        return self.trainer.prompt_ids(question)
 
     def step(self) -> dict:
-        self.detail.clear()
         t = time.perf_counter()
         metrics, _ = self.trainer.train_step()
         t_track = time.perf_counter()
@@ -152,7 +135,6 @@ class ExgrpoRunner:
         end = time.perf_counter()
         metrics["time/tracking"] = end - t_track
         seconds = end - t
-        forward = self.detail.get("forward", 0.0) - self.detail.get("selection_forward", 0.0)
         rec = {
             "seconds": seconds,
             "phase": metrics["phase"],
@@ -162,13 +144,12 @@ class ExgrpoRunner:
             "reward": metrics["reward"],
             **{k: metrics[k] for k in PHASES},
             # inside time/update: training forward (incl. log-softmax/entropy), optimizer (clip + AdamW), the rest is
-            # loss + backward; selection's scoring forwards are counted in time/selection, not here
-            "detail/update_forward": forward,
-            "detail/selection_forward": self.detail.get("selection_forward", 0.0),
-            "detail/optimizer": self.detail.get("optimizer", 0.0),
-            "detail/pack": self.detail.get("pack", 0.0),
+            # loss + backward; selection's scoring forwards are time/selection
+            "detail/update_forward": metrics["time/forward"],
+            "detail/optimizer": metrics["time/optimizer"],
         }
-        rec["detail/update_loss_backward"] = metrics["time/update"] - rec["detail/update_forward"] - rec["detail/optimizer"]
+        rec["detail/update_loss_backward"] = (metrics["time/update"] - rec["detail/update_forward"]
+                                              - rec["detail/optimizer"])
         rec["time/other"] = seconds - sum(metrics[k] for k in PHASES)
         return rec
 

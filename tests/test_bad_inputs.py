@@ -53,7 +53,7 @@ def _skipped_updates(tmp_path):
     trainer = _tiny_trainer(tmp_path, skip_grad_norm=1e-12)  # every gradient norm is "too large"
     before = [p.detach().clone() for p in trainer.model.parameters()]
     history = trainer.train()
-    assert trainer.skipped_updates == 2 and history[-1]["skipped_updates"] == 2.0
+    assert trainer.update.skipped_updates == 2 and history[-1]["skipped_updates"] == 2.0
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
 
 

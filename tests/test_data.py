@@ -12,13 +12,12 @@ from exgrpo.data import (
     DataError,
     Question,
     collapse_replicas,
-    extract_final_answer,
     load_questions,
     parse_reasoning_gym_source,
     render_prompt,
-    score_reasoning_gym,
     split_holdout,
 )
+from exgrpo.rewards import extract_final_answer, score_reasoning_gym
 
 BENCH = Path("/work/shared/data/benchmarks")
 needs_bench = pytest.mark.skipif(not BENCH.is_dir(), reason="shared benchmark files not available")

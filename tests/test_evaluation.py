@@ -11,14 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from exgrpo.benchmarks import BENCHMARKS, ENV_DATA, load_benchmarks, resolve_benchmarks
 from exgrpo.cli import main
 from exgrpo.data import Question
-from exgrpo.eval_run import group_averages, markdown_table
-from exgrpo.evaluation import (EvalProtocol, avg_at_k, benchmark_metrics, evaluate_questions, extract_answer,
-                               grader_for, grading_text, heldout_metrics, mean_pass_at_k, pass_at_k, report_ks)
-from exgrpo.rewards import GradingPool
-from exgrpo.rollout import Rollouts, derive_seed
+from exgrpo.evaluation import (EvalProtocol, avg_at_k, benchmark_metrics, evaluate_accuracy, evaluate_questions,
+                               extract_answer, grader_for, grading_text, mean_pass_at_k, pass_at_k, report_ks)
+from exgrpo.evaluation.benchmarks import BENCHMARKS, ENV_DATA, load_benchmarks, resolve_benchmarks
+from exgrpo.evaluation.run import group_averages, markdown_table
+from exgrpo.rewards import GradingPool, MathReward
+from exgrpo.rollout import SamplingSettings, derive_seed
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT.parent / "shared" / "data" / "benchmarks"
@@ -202,25 +202,14 @@ class EchoTokenizer:
     def __call__(self, text, add_special_tokens):
         return {"input_ids": [ord(ch) for ch in text]}
 
-    def decode(self, ids, skip_special_tokens):
+    def decode(self, ids, skip_special_tokens=False):
         return "".join(map(chr, ids))
 
 
-class ScriptedEngine:
-    """Answers question "q<i>" with \\boxed{<i>} on even samples and \\boxed{wrong} on odd ones."""
-
-    def __init__(self):
-        self.calls = []
-
-    def generate(self, prompt_ids, sampling, seeds):
-        self.calls.append((len(prompt_ids), sampling, list(seeds)))
-        counts: dict[str, int] = {}
-        out = []
-        for ids in prompt_ids:
-            prompt = "".join(map(chr, ids))
-            n = counts[prompt] = counts.get(prompt, -1) + 1
-            out.append([ord(ch) for ch in ("\\boxed{%s}" % prompt[1:-1] if n % 2 == 0 else "\\boxed{wrong}")])
-        return Rollouts(out, [False] * len(out))
+def boxed_on_even_samples(prompt_ids, n):
+    """Answers question "q<i>" with \\boxed{<i>} on its even samples and \\boxed{wrong} on odd ones."""
+    prompt = "".join(map(chr, prompt_ids))
+    return [ord(ch) for ch in ("\\boxed{%s}" % prompt[1:-1] if n % 2 == 0 else "\\boxed{wrong}")], False
 
 
 def _questions(n, source="heldout"):
@@ -228,8 +217,8 @@ def _questions(n, source="heldout"):
                      str(i), {"data_source": source}) for i in range(n)]
 
 
-def test_evaluate_questions_grades_every_sample_in_batches():
-    engine, batches = ScriptedEngine(), []
+def test_evaluate_questions_grades_every_sample_in_batches(scripted_engine):
+    engine, batches = scripted_engine(boxed_on_even_samples), []
     result = evaluate_questions(engine, EchoTokenizer(), _questions(3), name="toy", kind="math", samples=4,
                                 protocol=EvalProtocol(max_new_tokens=16), pool=GradingPool(num_workers=0), seed=7,
                                 batch_size=4, on_batch=batches.append)
@@ -246,17 +235,15 @@ def test_evaluate_questions_grades_every_sample_in_batches():
     assert result.metrics()["avg@4"] == 0.5 and result.metrics()["pass@2"] == pytest.approx(1 - 1 / 6)
 
 
-def test_heldout_metrics_names_and_test_set_guard():
-    args = (ScriptedEngine(), EchoTokenizer())
-    metrics = heldout_metrics(*args, {"toy": _questions(2) * 3}, GradingPool(num_workers=0), EvalProtocol(), samples=2)
-    assert metrics["eval/toy/avg@2"] == 0.5 and metrics["eval/toy/pass@2"] == 1.0  # replicas collapsed: 2 questions
-    assert set(metrics) == {"eval/toy/avg@2", "eval/toy/pass@1", "eval/toy/pass@2", "eval/toy/truncated",
-                            "eval/toy/completion_tokens"}
-    with pytest.raises(ValueError, match="benchmark test questions.*aime"):
-        heldout_metrics(*args, {"v": _questions(2, source="aime")}, GradingPool(num_workers=0), EvalProtocol())
-    allowed = heldout_metrics(*args, {"v": _questions(2, source="aime")}, GradingPool(num_workers=0), EvalProtocol(),
-                              allow_test_set=True)
-    assert allowed["eval/v/avg@1"] == 1.0
+def test_evaluate_accuracy_grades_with_the_reward_functions(scripted_engine):
+    engine = scripted_engine(boxed_on_even_samples)
+    questions = [Question(f"h/{i}", ({"role": "user", "content": f"q{i}"},), str(i), {}) for i in range(3)]
+    accuracy = evaluate_accuracy(engine, EchoTokenizer(), questions, [MathReward()], SamplingSettings(16),
+                                 samples=4, seed=5)
+    assert (accuracy.mean, accuracy.stderr, accuracy.num_questions, accuracy.per_question) == (0.5, 0.0, 3, [0.5] * 3)
+    assert [c[0] for c in engine.calls] == [12]  # one engine call; the same seeds as evaluate_questions
+    assert engine.calls[0][2] == [derive_seed(5, i, s) for i in range(3) for s in range(4)]
+    assert str(accuracy) == "50.0% ± 0.0 (n=3×4)"
 
 
 # --- the command line --------------------------------------------------------------------------------------------

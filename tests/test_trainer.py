@@ -57,7 +57,7 @@ def test_warmup_switch_collection_and_replay(tmp_path):
                          for q in trainer.buffer.questions()}
         metrics, _ = trainer.train_step()
         log.append(metrics)
-        for g in trainer.last_groups:
+        for g in trainer.last_step.groups:
             replays = [m for m in g.members if m.replay is not None]
             assert len(g.members) == 4 and len(replays) <= 1
             if replays:  # a replay is a stored trajectory, member 0, carrying its recorded log-probs
@@ -73,7 +73,7 @@ def test_warmup_switch_collection_and_replay(tmp_path):
     assert all(m["experience/replayed"] > 0 for m in log[2:])
     assert all(m["experience/replayed"] <= 4 for m in log)  # floor(B * 0.5)
     assert any("replay/ratio_mean" in m for m in log[2:])
-    assert all(len(trainer.last_groups) == 8 for _ in [0])  # exactly B questions per step
+    assert all(len(trainer.last_step.groups) == 8 for _ in [0])  # exactly B questions per step
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
 
 
@@ -104,9 +104,9 @@ def test_retired_questions_are_never_drawn_again():
     trainer = _trainer(_config(train={"steps": 8}), reward=reward)
     for _ in range(8):
         trainer.train_step()
-        ids = {g.question.id for g in trainer.last_groups}
+        ids = {g.question.id for g in trainer.last_step.groups}
         seen_after_retirement += list(ids & retired)
-        retired = set(trainer.pool.retired)
+        retired = set(trainer.buffer.retired)
     assert easy <= retired
     assert not seen_after_retirement
     assert not (set(trainer.buffer.questions()) & retired)
@@ -141,21 +141,21 @@ def test_same_seed_same_metrics():
 
 def test_shared_prompt_forward_matches_the_full_forward():
     """Rows sharing a prompt run it once; log-probs, entropies and gradients equal a full forward per row."""
-    from exgrpo.trainer import Member
+    from exgrpo.policy import pack, token_logprobs
 
     trainer = _trainer(_config())
-    prompts = [trainer._prompt_ids(q) for q in _questions(12)[::5]]  # "q 10" is longer: left padding differs
+    prompts = [trainer.prompt_ids(q) for q in _questions(12)[::5]]  # "q 10" is longer: left padding differs
     completions = [[5, 6, 7], [8], [9, 10], [11, 12, 13, 14]]
-    batch = trainer._pack([(p, Member(c)) for p in prompts for c in completions])
+    batch = pack([(p, c, None) for p in prompts for c in completions], trainer.tokenizer.pad_token_id)
     grouped = torch.arange(12)  # consecutive rows share prompts: the shared path
     interleaved = torch.tensor([0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11])  # no neighbours share: the full path
     params = [p for p in trainer.model.parameters() if p.requires_grad]
     results = []
     for rows in (grouped, interleaved):
-        logp, entropy = trainer._token_logps(trainer.model, batch, True, rows)
+        logp, entropy = token_logprobs(trainer.model, batch, 1.0, rows, with_entropy=True)
         order = rows.argsort()
         logp, entropy = logp[order], entropy[order]
-        mask = batch["completion_mask"]
+        mask = batch.completion_mask
         grads = torch.autograd.grad(((logp + entropy) * mask).sum(), params)
         results.append((logp * mask, entropy * mask, grads))
     (lp_a, ent_a, grad_a), (lp_b, ent_b, grad_b) = results
@@ -163,3 +163,68 @@ def test_shared_prompt_forward_matches_the_full_forward():
     torch.testing.assert_close(ent_a, ent_b, atol=1e-5, rtol=1e-5)
     for a, b in zip(grad_a, grad_b):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_one_mixed_step_against_hand_computed_advantages_and_loss(tiny_policy, scripted_engine, questions):
+    """K = 2, B = 2 in the mixed phase. q0 replays its stored trajectory "ab<eos>", recorded with log-probs ln 3
+    below the current policy's (so w = 3 on each of its tokens), plus one fresh rollout "zz<eos>"; q1 gets two fresh
+    rollouts, "zzz<eos>" and "aaaa" (truncated). The reward is 1 for a completion starting with "a"."""
+    from exgrpo.data import PromptEncoder
+    from exgrpo.policy import pack, token_logprobs
+
+    model, tok = tiny_policy
+    eos = tok.eos_token_id
+
+    def encode(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    qs = questions(2)
+    prompt = {q.id: PromptEncoder(tok)(q) for q in qs}
+    script = {tuple(prompt["q0"]): [(encode("zz") + [eos], False)],
+              tuple(prompt["q1"]): [(encode("zzz") + [eos], False), (encode("aaaa"), True)]}
+    engine = scripted_engine(lambda p, n: script[tuple(p)][n])
+    config = _config(rollout={"num_generations": 2, "max_completion_length": 4},
+                     train={"prompts_per_step": 2, "mini_batches": 1, "micro_batch_size": 8},
+                     objective={"entropy_coef": 0.0, "normalizer": 10.0, "beta": 0.1})
+
+    def starts_with_a(prompts, completions, completion_ids, answer, **_):
+        return [float(c.startswith("a")) for c in completions]
+
+    trainer = ExGRPOTrainer(model, tok, [starts_with_a], config, qs, engine=engine)
+
+    def current_logp(question_id, ids):
+        with torch.no_grad():
+            return token_logprobs(model, pack([(prompt[question_id], ids, None)], tok.pad_token_id), 1.0)[0][0]
+
+    replay_ids = encode("ab") + [eos]
+    recorded = (current_logp("q0", replay_ids) - math.log(3)).numpy()
+    trainer.buffer.update_group("q0", [True, False], [np.array(replay_ids), np.array(encode("x"))],
+                                [recorded, np.zeros(1, np.float32)])
+    trainer.phase = MIXED
+    state = trainer.pool.state_dict()
+    if trainer.pool.draw(1)[0].id != "q1":  # make q1 the next fresh question
+        state = trainer.pool.state_dict()
+    trainer.pool.load_state_dict(state)
+    behaviour_q1 = current_logp("q1", encode("aaaa"))
+
+    metrics, _ = trainer.train_step()
+
+    step = trainer.last_step
+    assert [g.question.id for g in step.groups] == ["q0", "q1"]
+    assert step.rewards.total.tolist() == [[1.0, 0.0], [0.0, 1.0]]
+    assert step.advantages.tolist() == [[0.5, -0.5], [-0.5, 0.5]]
+    assert step.batch.replay_mask[0].tolist() == [True, True, True, False] and not step.batch.replay_mask[1:].any()
+    assert np.array_equal(step.batch.recorded_logp[0, :3].numpy(), recorded)
+    # token sum / 10: replay 3 tokens of -A*f(3) = -0.5 * 3/3.1; fresh tokens -A*r with r = 1 (one mini-batch)
+    expected_loss = (-0.5 * 3 * (3 / 3.1) + 0.5 * 3 + 0.5 * 4 - 0.5 * 4) / 10
+    assert metrics["loss"] == pytest.approx(expected_loss, rel=1e-4)
+    assert metrics["replay/ratio_mean"] == pytest.approx(3.0, rel=1e-4)
+    assert metrics["replay/shaped_weight_mean"] == pytest.approx(3 / 3.1, rel=1e-4)
+    assert metrics["ratio/mean"] == 1.0 and metrics["reward"] == 0.5 and metrics["reward_std"] == 0.5
+    assert metrics["experience/replayed"] == 1 and metrics["completions/clipped_ratio"] == pytest.approx(1 / 3)
+    assert engine.syncs == 1
+    # collection: q1 (1 of 2 correct) is stored with its pre-update log-probs; q0's replay is not stored twice
+    assert trainer.buffer.bucket_of("q1") == 1 and len(trainer.buffer.trajectories("q0")) == 1
+    (stored,) = trainer.buffer.trajectories("q1")
+    assert stored.token_ids.tolist() == encode("aaaa")
+    np.testing.assert_allclose(stored.logprobs, behaviour_q1.numpy(), atol=1e-5)

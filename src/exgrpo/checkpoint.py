@@ -1,10 +1,13 @@
 """Atomic checkpoints that restore everything a run needs to continue exactly.
 
-A checkpoint is a directory `checkpoints/step-NNNNNN/` holding the model (`save_pretrained`: full weights, or the
-adapter for LoRA), the optimizer and scheduler, the experience buffer (safetensors + JSON), RNG states, the
-question pool's cursor and retired set, the phase and step, and the resolved config. It is written into a
-temporary directory and renamed into place, so it is either whole or absent. Nothing is unpickled on load:
-tensors come from safetensors or `torch.load(weights_only=True)`, the rest is JSON.
+A checkpoint is a directory `checkpoints/step-NNNNNN/` holding:
+* `model/`: `save_pretrained` output (full weights, or the adapter for LoRA), loadable by `exgrpo eval --model`;
+* `optimizer.pt`: the trainer state's `optimizer` part (optimizer, scheduler) and the torch RNG state;
+* `buffer.safetensors`: the experience buffer (arrays + JSON metadata);
+* `trainer.json`: the trainer state's `trainer` part (step, phase, question-pool cursor, counters, resolved
+  config) and the Python and NumPy RNG states. Written last: its presence marks a whole checkpoint.
+It is written into a temporary directory and renamed into place, so it is either whole or absent. Nothing is
+unpickled on load: tensors come from safetensors or `torch.load(weights_only=True)`, the rest is JSON.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from exgrpo.experience import ExperienceBuffer
+from exgrpo.atomic import fsync_tree
+from exgrpo.experience.buffer import read_state, write_state
 
 _PREFIX = "step-"
 
@@ -42,29 +46,23 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
-def save_checkpoint(trainer, run_dir: str | Path, keep: int = 2) -> Path:
-    """Write the trainer's state at its current step; keep the newest `keep` checkpoints."""
+def save_checkpoint(run_dir: str | Path, step: int, model, state: dict, keep: int = 2) -> Path:
+    """Write `model` and a trainer `state` (`ExGRPOTrainer.state_dict()`) as the checkpoint of `step`; keep the
+    newest `keep` checkpoints."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{_PREFIX}{trainer.step:06d}"
+    final = root / f"{_PREFIX}{step:06d}"
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    trainer.model.save_pretrained(str(tmp / "model"))
-    torch.save({"optimizer": trainer.optimizer.state_dict(), "scheduler": trainer.scheduler.state_dict(),
-                "torch_rng": torch.get_rng_state()}, tmp / "optimizer.pt")
-    trainer.buffer.save(tmp / "buffer.safetensors")
+    model.save_pretrained(str(tmp / "model"))
+    torch.save({**state["optimizer"], "torch_rng": torch.get_rng_state()}, tmp / "optimizer.pt")
+    write_state(state["buffer"], tmp / "buffer.safetensors")
     np_state = np.random.get_state()
-    state = {
-        "step": trainer.step, "phase": trainer.phase, "optimizer_steps": trainer.optimizer_steps,
-        "skipped_updates": trainer.skipped_updates, "pool": trainer.pool.state_dict(),
-        "python_rng": _jsonable(random.getstate()),
-        "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-        "config": trainer.config.to_dict(),
-    }
-    (tmp / "trainer.json").write_text(json.dumps(state))  # written last: its presence marks a whole checkpoint
-    _fsync_tree(tmp)
+    rng = {"python_rng": _jsonable(random.getstate()), "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+    (tmp / "trainer.json").write_text(json.dumps({**state["trainer"], **rng}))
+    fsync_tree(tmp)
     if final.exists():  # a re-run of the same step (after a resume) replaces it
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -73,26 +71,23 @@ def save_checkpoint(trainer, run_dir: str | Path, keep: int = 2) -> Path:
     return final
 
 
-def load_checkpoint(trainer, directory: str | Path) -> None:
-    """Restore a trainer (built from the same config) to the state saved in `directory`."""
+def read_trainer_json(directory: str | Path) -> dict:
+    """The `trainer` part of a checkpoint (its resolved config under "config")."""
+    return json.loads((Path(directory) / "trainer.json").read_text())
+
+
+def load_checkpoint(directory: str | Path, model) -> dict:
+    """Load the weights of checkpoint `directory` into `model`, restore the global RNGs, and return the trainer
+    state to pass to `ExGRPOTrainer.load_state_dict`."""
     directory = Path(directory)
-    state = json.loads((directory / "trainer.json").read_text())
-    _load_weights(trainer.model, directory / "model")
-    blobs = torch.load(directory / "optimizer.pt", weights_only=True)
-    trainer.optimizer.load_state_dict(blobs["optimizer"])
-    trainer.scheduler.load_state_dict(blobs["scheduler"])
-    torch.set_rng_state(blobs["torch_rng"])
-    buffer = ExperienceBuffer.load(directory / "buffer.safetensors")
-    if buffer.num_generations != trainer.K:
-        raise ValueError(f"{directory}: the buffer was saved with K={buffer.num_generations}, "
-                         f"the config has K={trainer.K}")
-    trainer.buffer = buffer
-    trainer.step, trainer.phase = state["step"], state["phase"]
-    trainer.optimizer_steps, trainer.skipped_updates = state["optimizer_steps"], state["skipped_updates"]
-    trainer.pool.load_state_dict(state["pool"])
-    random.setstate(_tupled(state["python_rng"]))
-    kind, keys, *rest = state["numpy_rng"]
+    trainer = read_trainer_json(directory)
+    _load_weights(model, directory / "model")
+    optimizer = torch.load(directory / "optimizer.pt", weights_only=True)
+    torch.set_rng_state(optimizer.pop("torch_rng"))
+    random.setstate(_tupled(trainer.pop("python_rng")))
+    kind, keys, *rest = trainer.pop("numpy_rng")
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+    return {"trainer": trainer, "optimizer": optimizer, "buffer": read_state(directory / "buffer.safetensors")}
 
 
 def _load_weights(model, directory: Path) -> None:
@@ -114,13 +109,6 @@ def _load_weights(model, directory: Path) -> None:
     if unexpected or set(missing) - tied:
         raise ValueError(f"{directory}: checkpoint weights do not fit the model (missing {sorted(missing)[:5]}, "
                          f"unexpected {sorted(unexpected)[:5]})")
-
-
-def _fsync_tree(directory: Path) -> None:
-    for path in directory.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
 
 
 def _jsonable(value):

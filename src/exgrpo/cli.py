@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import time
@@ -13,10 +12,11 @@ from rich.console import Console
 from rich.table import Table
 
 from exgrpo.config import ConfigError, load_config
+from exgrpo.evaluation.run import add_eval_parser, eval_command
 
 
 def _train(args, overrides) -> int:
-    from exgrpo.checkpoint import latest_checkpoint
+    from exgrpo.checkpoint import latest_checkpoint, read_trainer_json
     from exgrpo.run import build_run
 
     checkpoint = None
@@ -28,7 +28,7 @@ def _train(args, overrides) -> int:
         if checkpoint is None:
             raise ConfigError(f"--resume {args.resume}: no complete checkpoint under {args.resume}/checkpoints")
         # the run's own resolved config, unless a config file is given; overrides apply on top either way
-        base = None if args.config else json.loads((checkpoint / "trainer.json").read_text())["config"]
+        base = None if args.config else read_trainer_json(checkpoint)["config"]
         config = load_config(args.config, overrides + [f"logging.output_dir={args.resume}"], base=base)
     else:
         config = load_config(args.config, overrides)
@@ -81,39 +81,6 @@ def _demo(args, overrides) -> int:
     command = "exgrpo demo " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     report = write_report(config.logging.output_dir, history, evaluations, before, after, wall, command)
     console.print(f"report: {report}")
-    return 0
-
-
-def _eval(args, argv: list[str]) -> int:
-    """The paper's evaluation protocol (spec §8) for one or more models; prints the paper's table."""
-    from exgrpo.benchmarks import load_benchmarks, load_benchmarks_hf, resolve_benchmarks
-    from exgrpo.eval_run import run_eval
-    from exgrpo.evaluation import THINK, EvalProtocol
-    from exgrpo.models import PolicyNotFoundError
-
-    console = Console(stderr=True)  # progress and notes on stderr; the table alone on stdout
-    try:
-        benchmarks = resolve_benchmarks(args.benchmarks)
-        data = load_benchmarks_hf(benchmarks) if args.hf else load_benchmarks(benchmarks, args.data)
-    except (ValueError, FileNotFoundError, ImportError) as e:  # DataError is a ValueError
-        print(f"exgrpo eval: {e}", file=sys.stderr)
-        return 2
-    if args.limit:
-        for d in data:
-            d.items = d.items[: args.limit]
-    protocol = EvalProtocol(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                            remove_system=not args.keep_system, think_prefix=THINK if args.think else "",
-                            think_gate=args.think_gate, last_box_only=not args.grade_all_text)
-    command = "exgrpo " + shlex.join(argv)
-    try:
-        table = run_eval(args.model, data, protocol, args.output, samples=args.samples, seed=args.seed,
-                         batch_size=args.batch_size, dtype=args.dtype, workers=args.workers, command=command,
-                         console=console)
-    except PolicyNotFoundError as e:
-        print(f"exgrpo eval: {e}", file=sys.stderr)
-        return 2
-    print(table)
-    console.print(f"outputs: {args.output}")
     return 0
 
 
@@ -192,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "train":
             p.add_argument("--resume", metavar="RUN_DIR|auto",
                            help="continue from the latest checkpoint of RUN_DIR (auto: of logging.output_dir, if any)")
-    _add_eval_parser(sub)
+    add_eval_parser(sub)
     _add_experiment_parser(sub)
     args, overrides = parser.parse_known_args(argv)
     if args.command == "eval":
@@ -200,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(overrides)}")
         if args.samples is not None and args.samples < 1 or args.limit is not None and args.limit < 1:
             parser.error("--samples and --limit must be positive")
-        return _eval(args, sys.argv[1:] if argv is None else argv)
+        return eval_command(args, sys.argv[1:] if argv is None else argv)
     try:
         if args.command == "experiment":
             if overrides:

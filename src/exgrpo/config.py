@@ -23,9 +23,13 @@ class ConfigError(ValueError):
 @dataclass
 class LoraConfig:
     r: int = 32
+    """Rank of the LoRA update B·A."""
     alpha: int = 64
+    """LoRA scaling numerator: the update is (alpha / r)·B·A."""
     dropout: float = 0.0
+    """Dropout on the LoRA branch's input during training (never during rollouts or log-prob passes)."""
     target_modules: str = "all-linear"
+    """Modules that get adapters: peft's "all-linear", or a comma list of module names (e.g. "q_proj,v_proj")."""
 
 
 @dataclass
@@ -33,6 +37,7 @@ class ModelConfig:
     name: str = "smollm2-135m-instruct"
     """HF hub id, local directory, or a built-in preset: smollm2-135m-instruct, tiny, tiny:<seed>."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype the weights are loaded in."""
     lora: LoraConfig | None = None
     """LoRA adapters (peft) instead of full fine-tuning; null for full fine-tuning."""
 
@@ -42,25 +47,37 @@ class DataConfig:
     train: str = "reasoning_gym:basic_arithmetic?size=500&seed=1"
     """Training questions: parquet/jsonl file or directory, HF dataset name, or reasoning_gym:<task>?options."""
     split: str = "train"
+    """Split of a Hugging Face dataset (`train` or `eval` given as a dataset name)."""
     limit: int | None = None
+    """Keep only the first N valid training questions; null keeps all."""
     holdout: int = 0
     """Questions taken out of `train` (disjoint by content) for held-out evaluation."""
     eval: str | None = None
     """A separate held-out set (same formats as `train`); never the benchmark test set by default (spec §9.16)."""
     prompt_suffix: str = ""
+    """Appended to the last user message of every question (e.g. an answer-format instruction)."""
     remove_system: bool = False
+    """Drop the data's system messages before applying the chat template."""
     system_prompt: str | None = None
+    """Replace the data's system messages with this one; null keeps them."""
     think_prefix: str = ""
+    """Appended to every rendered prompt unless the chat template already ends with it (released: "<think>\\n")."""
     skip_invalid: bool = False
+    """Skip (and count) dataset rows with a missing or ill-typed field instead of failing on the first one."""
 
 
 @dataclass
 class RolloutConfig:
     engine: Literal["hf"] = "hf"
+    """Rollout engine: hf (transformers generate on the training model)."""
     num_generations: int = 8
+    """K: the group size, rollouts per question (an experiential question's replay is one of them)."""
     max_completion_length: int = 8192
+    """Maximum new tokens per rollout; a rollout stopped here has no EOS and counts as truncated."""
     temperature: float = 1.0
+    """Sampling temperature; log-probs for the loss are those of this distribution."""
     top_p: float = 1.0
+    """Nucleus sampling threshold; 1 disables it."""
     top_k: int = 0
     """0 disables top-k."""
     generation_batch_size: int = 256
@@ -70,6 +87,8 @@ class RolloutConfig:
 @dataclass
 class RewardConfig:
     grader: Literal["math", "choice", "reasoning_gym"] = "math"
+    """Built-in reward: math (math-verify against the answer), choice (option letter), reasoning_gym (the task's
+    own scorer)."""
     function: str | None = None
     """A reward function 'module:name' (TRL's signature) used instead of the grader."""
     think_gate: bool = False
@@ -77,6 +96,7 @@ class RewardConfig:
     workers: int = 2
     """Grading processes; 0 grades in the training process."""
     timeout: float = 5.0
+    """Seconds a grading worker may spend on one completion before it scores 0 (and the worker is replaced)."""
     success_threshold: float = 1.0
     """A rollout counts as correct (for k, buckets, retirement, Pass@1) when its reward >= this."""
 
@@ -84,8 +104,11 @@ class RewardConfig:
 @dataclass
 class ObjectiveConfig:
     scale_rewards: Literal["none", "group"] = "none"
+    """Advantages: none = R - group mean (released); group = (R - mean) / (group std + 1e-4)."""
     epsilon_low: float = 0.2
+    """PPO clip below: fresh tokens' ratio is clipped at 1 - epsilon_low while clipping is on."""
     epsilon_high: float = 0.2
+    """PPO clip above: at 1 + epsilon_high."""
     clip_after_switch: bool = False
     """PPO-clip fresh tokens in the mixed phase too (released: unclipped after the switch)."""
     beta: float = 0.1
@@ -93,10 +116,12 @@ class ObjectiveConfig:
     policy_shaping: bool = True
     """False replays with the plain importance ratio w (ablation)."""
     aggregation: Literal["sum_constant", "token_mean", "seq_mean_token_mean"] = "sum_constant"
+    """Token losses to a scalar: sum / normalizer (released), mean over the mini-batch's tokens, or mean over
+    sequences of per-sequence token means."""
     normalizer: float | None = None
     """Constant of sum_constant aggregation; null means max_completion_length (released)."""
     entropy_coef: float = 0.001
-    kl_coef: float = 0.0
+    """Weight of the entropy bonus: minus this times the token-mean entropy of each mini-batch."""
 
 
 @dataclass
@@ -106,17 +131,27 @@ class ExperienceConfig:
     start_threshold: float = 0.35
     """Switch to the mixed phase once batch Pass@1 > this (strict)."""
     bucket_scheme: Literal["normal", "linear", "sqrt", "linear_clip", "uniform"] = "normal"
+    """Per-bucket weights over success counts k: normal (a Gaussian), linear k/K, sqrt, linear_clip, or uniform
+    over questions (no buckets)."""
     bucket_sigma: float = 1.0
+    """Standard deviation of the normal scheme, in success counts (released: 1)."""
     bucket_mean: float | None = None
     """Centre of the normal scheme in success counts; null means K/2."""
     selection_metric: Literal["entropy", "entropy_sum", "perplexity", "random"] = "entropy"
+    """What ranks a question's stored trajectories: mean token entropy under the current policy, its sum (the
+    released ranking, spec §9.1), perplexity, or a uniform draw."""
     selection_mode: Literal["argmin", "argmax"] = "argmin"
+    """Replay the lowest- or highest-scoring trajectory."""
     importance_correction: bool = True
     """Replay ratio against the recorded behaviour log-probs (released exp_is_correct)."""
     lbound: int = 0
+    """Collect a group with k correct members only when lbound < k (released: 0)."""
     rbound: int | None = None
+    """... and k <= rbound; null means K - 1."""
     max_trajectories_per_question: int | None = None
+    """Keep only a question's newest N trajectories; null keeps all (released: unbounded)."""
     max_questions: int | None = None
+    """Hold at most N questions, evicting the least recently updated; null is unbounded (released)."""
     selection_batch_size: int = 32
     """Candidates per no-grad scoring forward."""
 
@@ -124,21 +159,31 @@ class ExperienceConfig:
 @dataclass
 class TrainConfig:
     steps: int = 700
+    """Training steps (each: one batch of prompts_per_step questions, mini_batches optimizer steps)."""
     prompts_per_step: int = 128
+    """B: questions per step (experiential + fresh)."""
     mini_batches: int = 2
     """Optimizer steps per training step (released: 2 mini-batches of 64 questions)."""
     micro_batch_size: int = 64
     """Sequences per forward/backward; gradients accumulate over a mini-batch."""
     learning_rate: float = 1e-6
+    """AdamW learning rate (peak, for schedules with warm-up or decay)."""
     weight_decay: float = 0.01
+    """AdamW weight decay."""
     adam_beta1: float = 0.9
+    """AdamW beta1."""
     adam_beta2: float = 0.999
+    """AdamW beta2."""
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    """transformers scheduler over steps * mini_batches optimizer steps."""
     warmup_steps: int = 0
+    """Linear warm-up, in optimizer steps."""
     max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this."""
     skip_grad_norm: float = 500.0
     """Skip the update when the grad norm is non-finite or above this."""
     seed: int = 47
+    """Seeds the data order, batch composition, rollouts and held-out sampling."""
     save_every: int = 50
     """Checkpoint every N steps (and at the end, and on SIGINT/SIGTERM); 0 checkpoints only at the end."""
     save_total_limit: int = 2
@@ -154,31 +199,47 @@ class EvalConfig:
     every: int = 0
     """Held-out evaluation every N steps (0: only where the command asks, e.g. before/after in the demo)."""
     samples: int = 4
+    """Samples per held-out question (the metric is avg@samples)."""
     temperature: float = 1.0
+    """Sampling temperature of the held-out evaluation."""
     max_questions: int | None = None
+    """Evaluate only the first N held-out questions; null evaluates all."""
 
 
 @dataclass
 class LoggingConfig:
     output_dir: str = "runs/exgrpo"
+    """The run directory: config.json, metrics.jsonl, samples.jsonl, tensorboard/ and checkpoints/."""
     tensorboard: bool = True
+    """Write TensorBoard scalars under output_dir/tensorboard."""
     wandb: bool = False
+    """Also log to Weights & Biases (needs `pip install wandb`)."""
     sample_every: int = 10
     """Log example completions every N steps (0: never)."""
     progress: bool = True
+    """Show a progress bar on stderr."""
 
 
 @dataclass
 class ExGRPOConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy: which model, its dtype, LoRA."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Training and held-out questions and how prompts are rendered."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Sampling: the engine, K, lengths, temperature."""
     reward: RewardConfig = field(default_factory=RewardConfig)
+    """The verifiable reward and what counts as correct."""
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    """Advantages and the mixed-policy loss."""
     experience: ExperienceConfig = field(default_factory=ExperienceConfig)
+    """Experience management: delayed start, buckets, replay selection, buffer bounds."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """Batching, optimizer, schedule, seeds, checkpoints."""
     eval: EvalConfig = field(default_factory=EvalConfig)
+    """Periodic held-out evaluation."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """The run directory and where metrics go."""
 
     def __post_init__(self) -> None:
         validate(self)

@@ -13,17 +13,13 @@ groups such rows back by content (`Question.text_key`).
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import random
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 from urllib.parse import unquote
-
-from exgrpo.rewards.graders import last_boxed
 
 logger = logging.getLogger(__name__)
 
@@ -328,44 +324,6 @@ def _load_reasoning_gym(source: str, limit: int | None, suffix: str) -> Question
     return questions
 
 
-@functools.lru_cache(maxsize=None)
-def _rg_scorer(name: str):
-    import reasoning_gym
-
-    return reasoning_gym.get_score_answer_fn(name)
-
-
-def extract_final_answer(completion: str) -> str:
-    """The answer part of a completion, as reasoning-gym scorers expect it (a bare answer string).
-
-    Text after the last ``</think>`` only; then the last ``<answer>...</answer>`` (reasoning-gym's own format), else
-    the last ``\\boxed{...}``, else the last non-empty line; stripped.
-    """
-    text = completion.rsplit("</think>", 1)[-1]
-    tagged = re.findall(r"<answer>(.*?)</answer>", text, flags=re.DOTALL)
-    if tagged:
-        return tagged[-1].strip()
-    boxed = last_boxed(text)
-    if boxed is not None:
-        return boxed.strip()
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else ""
-
-
-def score_reasoning_gym(completion: str, entry: dict) -> float:
-    """Score a completion with reasoning-gym's own scorer for the entry's task (``columns["rg_entry"]``).
-
-    The scorer gets `extract_final_answer(completion)`. Scorers give exact matches 1.0 and some give partial
-    credit (e.g. the default scorer gives len(gold)/len(answer) when the gold is a substring), so the result is in
-    [0, 1]. A scorer that raises on a malformed answer scores 0.0.
-    """
-    scorer = _rg_scorer(entry["metadata"]["source_dataset"])
-    try:
-        return float(scorer(extract_final_answer(completion), entry))
-    except Exception:  # scorers parse free-form model text; a crash means an unusable answer, not a bug here
-        return 0.0
-
-
 # --- prompts and splits -----------------------------------------------------------------------------------------
 
 
@@ -396,6 +354,23 @@ def render_prompt(
     if think_prefix and not text.endswith(think_prefix):
         text += think_prefix
     return text
+
+
+class PromptEncoder:
+    """The token ids of each question's rendered prompt (see `render_prompt`), computed once per question id."""
+
+    def __init__(self, tokenizer, *, remove_system: bool = False, system_prompt: str | None = None,
+                 think_prefix: str = ""):
+        self.tokenizer = tokenizer
+        self._options = {"remove_system": remove_system, "system_prompt": system_prompt, "think_prefix": think_prefix}
+        self._cache: dict[str, list[int]] = {}
+
+    def __call__(self, question: Question) -> list[int]:
+        ids = self._cache.get(question.id)
+        if ids is None:
+            text = render_prompt(self.tokenizer, question.messages, **self._options)
+            ids = self._cache[question.id] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids
 
 
 def _groups(questions: Sequence[Question]) -> dict[tuple, list[int]]:

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 
+from exgrpo.atomic import write_text_atomic
 from exgrpo.config import ConfigError, ExGRPOConfig, load_config, read_yaml
 
 _STUDY_KEYS = {"base", "output_dir", "seeds", "overrides", "baseline", "arms"}
@@ -119,13 +119,6 @@ def load_study(path: str | Path) -> Study:
     return study
 
 
-def _write_json_atomic(path: Path, value) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(value))
-    os.replace(tmp, path)
-
-
 def completed_steps(run_dir: Path) -> int:
     from exgrpo.checkpoint import checkpoint_step, latest_checkpoint
 
@@ -158,9 +151,10 @@ def run_study(study: Study, arms: list[str] | None = None, seeds: list[int] | No
                 initial = study.initial_eval_path(config)
                 if checkpoint is None and not initial.exists():
                     accuracy = run.trainer.evaluate()
-                    _write_json_atomic(initial, {"accuracy": accuracy.mean, "stderr": accuracy.stderr,
-                                                 "num_questions": accuracy.num_questions,
-                                                 "samples_per_question": accuracy.samples_per_question})
+                    summary = {"accuracy": accuracy.mean, "stderr": accuracy.stderr,
+                               "num_questions": accuracy.num_questions,
+                               "samples_per_question": accuracy.samples_per_question}
+                    write_text_atomic(initial, json.dumps(summary))
                     log(f"{arm.name} seed {seed}: before training {accuracy}")
                 run.trainer.train()
             finally:

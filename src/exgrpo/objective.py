@@ -57,7 +57,6 @@ class LossSettings:
     aggregation: str = "sum_constant"
     normalizer: float = 8192.0  # the constant of "sum_constant" (released: max completion length)
     entropy_coef: float = 0.001
-    kl_coef: float = 0.0
 
 
 def token_losses(
@@ -124,7 +123,6 @@ def mixed_policy_loss(
     replay_mask: torch.Tensor,
     settings: LossSettings,
     entropy: torch.Tensor | None = None,
-    ref_logp: torch.Tensor | None = None,
     total_tokens: float | None = None,
     total_sequences: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -136,7 +134,6 @@ def mixed_policy_loss(
         mask: (B, T) 1 on completion tokens.
         replay_mask: (B, T) bool, True on replayed tokens (a subset of mask).
         entropy: (B, T) current-policy token entropies, for the bonus -entropy_coef * token-mean entropy.
-        ref_logp: (B, T) reference log-probs for the k3 KL penalty (kl_coef > 0).
         total_tokens / total_sequences: mini-batch totals when this is one micro-batch of it. The entropy
             bonus is a token mean over the whole mini-batch (released: per micro-batch, summed; spec §4.3).
     Returns:
@@ -152,18 +149,11 @@ def mixed_policy_loss(
     if entropy is not None and settings.entropy_coef:
         entropy_mean = (entropy * mask).sum() / n_tokens.clamp(min=1)
         loss = loss - settings.entropy_coef * entropy_mean
-    kl = None
-    if settings.kl_coef:
-        if ref_logp is None:
-            raise ValueError("kl_coef > 0 needs reference log-probs (ref_logp)")
-        delta = ref_logp - logp
-        kl = torch.exp(delta) - delta - 1  # k3 estimator, >= 0
-        loss = loss + settings.kl_coef * aggregate(kl, mask, settings, total_tokens, total_sequences)
-    return loss, _stats(parts, advantages, mask, fresh_mask, replay_mask, settings, entropy, kl)
+    return loss, _stats(parts, advantages, mask, fresh_mask, replay_mask, settings, entropy)
 
 
 @torch.no_grad()
-def _stats(parts, advantages, mask, fresh_mask, replay_mask, settings, entropy, kl) -> dict[str, float]:
+def _stats(parts, advantages, mask, fresh_mask, replay_mask, settings, entropy) -> dict[str, float]:
     ratio, w, shaped = parts["ratio"], parts["w"], parts["shaped"]
     stats: dict[str, float] = {"fresh_tokens": float(fresh_mask.sum()), "replay_tokens": float(replay_mask.sum())}
     fresh = fresh_mask.bool()
@@ -186,8 +176,6 @@ def _stats(parts, advantages, mask, fresh_mask, replay_mask, settings, entropy, 
         })
     if entropy is not None:
         stats["entropy"] = float(masked_mean(entropy, mask))
-    if kl is not None:
-        stats["kl"] = float(masked_mean(kl, mask))
     return stats
 
 
@@ -209,7 +197,7 @@ def merge_stats(parts: list[dict[str, float]]) -> dict[str, float]:
                 weights = [p["fresh_tokens"] for p in present]
             elif key.startswith("replay/"):
                 weights = [p["replay_tokens"] for p in present]
-            else:  # entropy, kl: over all completion tokens
+            else:  # entropy: over all completion tokens
                 weights = [p["fresh_tokens"] + p["replay_tokens"] for p in present]
             total = sum(weights)
             merged[key] = sum(w * p[key] for w, p in zip(weights, present)) / total if total else 0.0

@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from exgrpo.evaluation import Accuracy  # noqa: E402
+from exgrpo.evaluation.heldout import Accuracy  # noqa: E402
 
 
 def before_after_rows(before: Accuracy, after: Accuracy) -> list[tuple[str, str]]:

@@ -14,6 +14,9 @@ import numpy as np
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from exgrpo.config import RolloutConfig
+from exgrpo.policy import distinct_rows
+
 
 def derive_seed(*keys: int) -> int:
     """A 63-bit seed derived from integer keys (e.g. run seed, step, group, member): one stream per request."""
@@ -109,15 +112,13 @@ class HFEngine:
             self.model.train(was_training)
         return Rollouts(completions, truncated)
 
-    def _shared_prefill(self, input_ids: torch.Tensor, attention: torch.Tensor):
+    def shared_prefill(self, input_ids: torch.Tensor, attention: torch.Tensor):
         """The KV cache of all but the last prompt token, computed once per distinct prompt (a group's K rows
         repeat one), or None when every row's prompt differs and generate's own prefill is as cheap."""
-        rows = torch.cat([input_ids, attention], dim=1)
-        distinct, owner = torch.unique(rows, dim=0, return_inverse=True)
-        if len(distinct) == len(rows) or input_ids.shape[1] < 2:
+        first, owner = distinct_rows(torch.cat([input_ids, attention], dim=1))
+        if len(first) == len(input_ids) or input_ids.shape[1] < 2:
             return None
-        width = input_ids.shape[1]
-        ids, mask = distinct[:, : width - 1], distinct[:, width : 2 * width - 1]
+        ids, mask = input_ids[first, :-1], attention[first, :-1]
         cache = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                            use_cache=True, logits_to_keep=1).past_key_values
         cache.batch_select_indices(owner)
@@ -135,7 +136,7 @@ class HFEngine:
         # Sampling happens in the logits processor (Gumbel-max with a generator per row), so generate decodes
         # greedily over already-sampled scores.
         out = self.model.generate(
-            input_ids=input_ids, attention_mask=attention, past_key_values=self._shared_prefill(input_ids, attention),
+            input_ids=input_ids, attention_mask=attention, past_key_values=self.shared_prefill(input_ids, attention),
             do_sample=False, logits_processor=LogitsProcessorList([PerRowSampler(sampling, seeds)]),
             max_new_tokens=sampling.max_new_tokens, pad_token_id=pad, eos_token_id=sorted(self.eos_ids),
             temperature=None, top_p=None, top_k=None,
@@ -151,3 +152,10 @@ class HFEngine:
             completions.append(ids)
             truncated.append(not stopped)
         return completions, truncated
+
+
+def build_engine(rollout: RolloutConfig, model, tokenizer) -> RolloutEngine:
+    """The engine `rollout.engine` names, sampling from `model`."""
+    if rollout.engine == "hf":
+        return HFEngine(model, tokenizer, rollout.generation_batch_size)
+    raise ValueError(f"rollout.engine: unknown engine {rollout.engine!r}")

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from exgrpo.atomic import write_text_atomic
 
 
 class Tracker:
@@ -91,6 +92,4 @@ def truncate_metrics(run_dir: str | Path, step: int) -> None:
         if not path.is_file():
             continue
         kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-        tmp = path.with_name(name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
+        write_text_atomic(path, "".join(line + "\n" for line in kept))

@@ -1,10 +1,11 @@
 """Experience management: the buffer, the bucket sampler and trajectory selection. No model code here."""
 
 from exgrpo.experience.buffer import ExperienceBuffer, Trajectory
+from exgrpo.experience.replay import select_replays
 from exgrpo.experience.sampler import bucket_probabilities, num_experiential, sample_questions
 from exgrpo.experience.selection import select_index, trajectory_scores
 
 __all__ = [
     "ExperienceBuffer", "Trajectory", "bucket_probabilities", "num_experiential", "sample_questions",
-    "select_index", "trajectory_scores",
+    "select_index", "select_replays", "trajectory_scores",
 ]

@@ -16,10 +16,11 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+
+from exgrpo.atomic import replaced_on_success
 
 _FORMAT_VERSION = 1
 
@@ -145,6 +146,10 @@ class ExperienceBuffer:
 
     def is_retired(self, question_id: str) -> bool:
         return question_id in self._retired
+
+    @property
+    def num_retired(self) -> int:
+        return len(self._retired)
 
     def bucket_of(self, question_id: str) -> int | None:
         q = self._questions.get(question_id)
@@ -370,27 +375,14 @@ class ExperienceBuffer:
         self._retired = set(meta["retired"])
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write to a safetensors file (arrays + JSON metadata; nothing is pickled). Atomic: temp file + rename."""
-        from safetensors.numpy import save_file
-
-        state = self.state_dict()
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        save_file(state["arrays"], str(tmp), metadata={"exgrpo_buffer": json.dumps(state["meta"])})
-        os.replace(tmp, path)
+        """Write to a safetensors file (see `write_state`)."""
+        write_state(self.state_dict(), path)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ExperienceBuffer":
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="np") as f:
-            meta_json = (f.metadata() or {}).get("exgrpo_buffer")
-            if meta_json is None:
-                raise ValueError(f"{path}: not an exgrpo experience buffer (no 'exgrpo_buffer' metadata)")
-            arrays = {name: f.get_tensor(name) for name in f.keys()}
-        meta = json.loads(meta_json)
-        buffer = cls(meta["num_generations"])
-        buffer.load_state_dict({"meta": meta, "arrays": arrays})
+        state = read_state(path)
+        buffer = cls(state["meta"]["num_generations"])
+        buffer.load_state_dict(state)
         return buffer
 
     def fingerprint(self) -> str:
@@ -407,6 +399,26 @@ class ExperienceBuffer:
                 h.update(str(t.step).encode())
         h.update("|".join(sorted(self._retired)).encode())
         return h.hexdigest()
+
+
+def write_state(state: dict, path: str | os.PathLike) -> None:
+    """A buffer `state_dict` as one safetensors file: arrays + JSON metadata, nothing pickled; atomic."""
+    from safetensors.numpy import save_file
+
+    with replaced_on_success(path) as tmp:
+        save_file(state["arrays"], str(tmp), metadata={"exgrpo_buffer": json.dumps(state["meta"])})
+
+
+def read_state(path: str | os.PathLike) -> dict:
+    """The `state_dict` written by `write_state`."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="np") as f:
+        meta_json = (f.metadata() or {}).get("exgrpo_buffer")
+        if meta_json is None:
+            raise ValueError(f"{path}: not an exgrpo experience buffer (no 'exgrpo_buffer' metadata)")
+        arrays = {name: f.get_tensor(name) for name in f.keys()}
+    return {"meta": json.loads(meta_json), "arrays": arrays}
 
 
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:

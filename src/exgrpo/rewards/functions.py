@@ -7,7 +7,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from exgrpo.rewards.graders import grade_choice, grade_math
+from exgrpo.rewards.graders import grade_choice, grade_math, score_reasoning_gym
 from exgrpo.rewards.pool import GradingPool
 
 RewardFunc = Callable[..., list]
@@ -42,8 +42,6 @@ class ChoiceReward:
 
 def grade_reasoning_gym(completion: str, entry_json: str) -> float:
     """reasoning-gym's own scorer for the task of a JSON-encoded entry (picklable for the grading pool)."""
-    from exgrpo.data import score_reasoning_gym
-
     return score_reasoning_gym(completion, json.loads(entry_json))
 
 
@@ -87,3 +85,15 @@ def combine_rewards(funcs: Sequence[RewardFunc], weights: Sequence[float], promp
     stacked = np.stack(list(per_func.values())) if per_func else np.zeros((0, n))
     total = np.nansum(stacked * np.asarray(weights, dtype=np.float64)[:, None], axis=0)
     return total, per_func
+
+
+def score_completions(funcs: Sequence[RewardFunc], weights: Sequence[float], prompts: list, completions: list,
+                      completion_ids: list, questions: Sequence) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """`combine_rewards` with TRL's dataset columns: each completion's question gives `answer` plus its `columns`.
+
+    `questions` holds one question per completion (objects with `.answer` and a `.columns` dict, e.g.
+    `exgrpo.data.Question`); a column some questions lack is None for them.
+    """
+    keys = sorted({k for q in questions for k in q.columns} - {"answer"})
+    columns = {"answer": [q.answer for q in questions], **{k: [q.columns.get(k) for q in questions] for k in keys}}
+    return combine_rewards(funcs, weights, prompts, completions, completion_ids, columns)

@@ -1,7 +1,9 @@
-"""Answer graders: math-verify for math answers and an option grader for multiple choice (ARC-c, GPQA)."""
+"""Answer graders: math-verify for math answers, an option grader for multiple choice (ARC-c, GPQA) and
+reasoning-gym's own scorers."""
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 
@@ -19,9 +21,9 @@ def grade_math(completion: str, gold: str, think_gate: bool = False) -> float:
     none in "answer:12" or "(12)"; tests/test_rewards.py lists these grader gaps).
     """
     if think_gate:
-        if "</think>" not in completion:
+        completion = after_think(completion)
+        if completion is None:
             return 0.0
-        completion = completion.split("</think>")[1]
     # math-verify times out with SIGALRM, which only works on the main thread; elsewhere it would raise, so turn
     # its timeouts off there and rely on the caller (GradingPool) to bound the time.
     timeout = _MV_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
@@ -31,6 +33,12 @@ def grade_math(completion: str, gold: str, think_gate: bool = False) -> float:
         return float(verify(gold_parsed, answer_parsed, timeout_seconds=timeout))
     except Exception:
         return 0.0
+
+
+def after_think(text: str) -> str | None:
+    """The solution part of a think-formatted text: what follows the first "</think>" (up to a second one, as
+    released: spec §6); None when there is no "</think>"."""
+    return text.split("</think>")[1] if "</think>" in text else None
 
 
 def grade_math_boxed(completion: str, gold: str) -> float:
@@ -81,3 +89,44 @@ def grade_choice(completion: str, gold: str) -> float:
     """1.0 if the chosen option (see `choice_letter`) equals `gold` (a letter, case-insensitive, or a digit)."""
     label = choice_letter(completion)
     return float(label != "" and label == gold.strip().strip("()").upper())
+
+
+# --- reasoning-gym -------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _rg_scorer(name: str):
+    import reasoning_gym
+
+    return reasoning_gym.get_score_answer_fn(name)
+
+
+def extract_final_answer(completion: str) -> str:
+    """The answer part of a completion, as reasoning-gym scorers expect it (a bare answer string).
+
+    Text after the last ``</think>`` only; then the last ``<answer>...</answer>`` (reasoning-gym's own format), else
+    the last ``\\boxed{...}``, else the last non-empty line; stripped.
+    """
+    text = completion.rsplit("</think>", 1)[-1]
+    tagged = re.findall(r"<answer>(.*?)</answer>", text, flags=re.DOTALL)
+    if tagged:
+        return tagged[-1].strip()
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed.strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def score_reasoning_gym(completion: str, entry: dict) -> float:
+    """Score a completion with reasoning-gym's own scorer for the entry's task (``columns["rg_entry"]``).
+
+    The scorer gets `extract_final_answer(completion)`. Scorers give exact matches 1.0 and some give partial
+    credit (e.g. the default scorer gives len(gold)/len(answer) when the gold is a substring), so the result is in
+    [0, 1]. A scorer that raises on a malformed answer scores 0.0.
+    """
+    scorer = _rg_scorer(entry["metadata"]["source_dataset"])
+    try:
+        return float(scorer(extract_final_answer(completion), entry))
+    except Exception:  # scorers parse free-form model text; a crash means an unusable answer, not a bug here
+        return 0.0

@@ -122,7 +122,6 @@ BENCHMARKS: dict[str, Benchmark] = {
 }
 ID_BENCHMARKS = tuple(n for n, b in BENCHMARKS.items() if not b.ood)
 OOD_BENCHMARKS = tuple(n for n, b in BENCHMARKS.items() if b.ood)
-TEST_DATA_SOURCES = frozenset(b.data_source for b in BENCHMARKS.values())
 
 
 def resolve_benchmarks(spec: str) -> list[Benchmark]:

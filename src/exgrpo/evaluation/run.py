@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Sequence
@@ -23,12 +25,12 @@ from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 
-from exgrpo.benchmarks import BENCHMARKS, BenchmarkData
-from exgrpo.evaluation import EvalProtocol, Sample, evaluate_questions
-from exgrpo.models import load_policy
+from exgrpo.evaluation.benchmarks import (BENCHMARKS, BenchmarkData, load_benchmarks, load_benchmarks_hf,
+                                         resolve_benchmarks)
+from exgrpo.evaluation.protocol import THINK, EvalProtocol, Sample, evaluate_questions
+from exgrpo.models import PolicyNotFoundError, load_policy
 from exgrpo.rewards import GradingPool
 from exgrpo.rollout import HFEngine, derive_seed
-
 
 
 def run_eval(models: Sequence[str], data: Sequence[BenchmarkData], protocol: EvalProtocol, output: str | Path, *,
@@ -154,3 +156,68 @@ def _slugs(labels: Sequence[str]) -> list[str]:
             slug = f"{base}-{i}"
         out.append(slug)
     return out
+
+
+# --- the command line --------------------------------------------------------------------------------------
+
+
+def add_eval_parser(sub) -> None:
+    p = sub.add_parser("eval", help="evaluate models on the paper's benchmarks (spec §8)",
+                       description="Sample each benchmark question under the paper's protocol, grade, and print "
+                                   "a table with the paper's columns (one row per model).")
+    p.add_argument("--model", action="append", required=True, metavar="PATH_OR_PRESET",
+                   help="a preset (smollm2-135m-instruct, tiny), a local checkpoint or a HF id; repeat for a table")
+    p.add_argument("--benchmarks", default="all",
+                   help="comma list of aime24,aime25,amc,math500,minerva,olympiad,arc_c,gpqa, or all|id|ood "
+                        "(default: all)")
+    p.add_argument("--data", metavar="DIR_OR_FILE",
+                   help="directory with test.id.parquet, ood.arc_c.parquet, ood.gpqa.parquet, or one parquet file "
+                        "(default: $EXGRPO_BENCHMARKS)")
+    p.add_argument("--hf", action="store_true", help="load the public Hugging Face copies instead (needs `datasets`)")
+    p.add_argument("--samples", type=int, metavar="N",
+                   help="samples per question on every benchmark (default: the paper's, 32 on AIME24/25 and AMC "
+                        "and 1 elsewhere: avg@32 / pass@1)")
+    p.add_argument("--limit", type=int, metavar="N", help="first N distinct questions per benchmark (quick runs)")
+    p.add_argument("--max-new-tokens", type=int, default=8192)
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--think", action="store_true",
+                   help="end prompts with '<think>\\n' (for think-tuned models; it is prepended before grading)")
+    p.add_argument("--think-gate", action="store_true",
+                   help="grade only after the first '</think>', 0 without one (training reward; not the paper's eval)")
+    p.add_argument("--keep-system", action="store_true", help="keep the data's system message (the paper drops it)")
+    p.add_argument("--grade-all-text", action="store_true",
+                   help="math: math-verify on the whole completion (training reward) instead of the last \\boxed{}")
+    p.add_argument("--output", default="runs/eval", help="output directory (default: runs/eval)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=64, help="sequences generated together")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--workers", type=int, default=2, help="grading processes (0: grade in-process, no timeout)")
+
+
+def eval_command(args, argv: list[str]) -> int:
+    """The paper's evaluation protocol (spec §8) for one or more models; prints the paper's table."""
+    console = Console(stderr=True)  # progress and notes on stderr; the table alone on stdout
+    try:
+        benchmarks = resolve_benchmarks(args.benchmarks)
+        data = load_benchmarks_hf(benchmarks) if args.hf else load_benchmarks(benchmarks, args.data)
+    except (ValueError, FileNotFoundError, ImportError) as e:  # DataError is a ValueError
+        print(f"exgrpo eval: {e}", file=sys.stderr)
+        return 2
+    if args.limit:
+        for d in data:
+            d.items = d.items[: args.limit]
+    protocol = EvalProtocol(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            remove_system=not args.keep_system, think_prefix=THINK if args.think else "",
+                            think_gate=args.think_gate, last_box_only=not args.grade_all_text)
+    command = "exgrpo " + shlex.join(argv)
+    try:
+        table = run_eval(args.model, data, protocol, args.output, samples=args.samples, seed=args.seed,
+                         batch_size=args.batch_size, dtype=args.dtype, workers=args.workers, command=command,
+                         console=console)
+    except PolicyNotFoundError as e:
+        print(f"exgrpo eval: {e}", file=sys.stderr)
+        return 2
+    print(table)
+    console.print(f"outputs: {args.output}")
+    return 0
