@@ -102,4 +102,4 @@ def test_sigterm_checkpoints_and_exits(tmp_path):
 def test_resume_without_checkpoint_is_an_error(tmp_path):
     result = subprocess.run([sys.executable, "-m", "exgrpo", "train", "--resume", str(tmp_path)],
                             capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=120)
-    assert result.returncode == 2 and "no complete checkpoint" in result.stderr
+    assert result.returncode == 2 and "no run there" in result.stderr

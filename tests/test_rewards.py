@@ -192,7 +192,7 @@ def test_hanging_math_input_times_out(pool):
     # sympy evaluates 9^(9^9) when comparing; the pool's 2 s timeout fires before math-verify's own 5 s one.
     pool.pop_stats()
     assert pool.grade(grade_math, [r"\boxed{9^{9^{9}}}", r"\boxed{12}"], ["12", "12"]) == [0.0, 1.0]
-    assert pool.pop_stats() == {"graded": 2, "timeouts": 1, "crashes": 0}
+    assert pool.pop_stats() == {"graded": 2, "timeouts": 1, "crashes": 0, "errors": 0}
 
 
 def test_hung_and_crashed_items_score_zero_and_the_pool_recovers(pool):
@@ -203,18 +203,18 @@ def test_hung_and_crashed_items_score_zero_and_the_pool_recovers(pool):
     # The margin covers restarting two workers, which takes seconds on a busy 2-core machine.
     assert time.monotonic() - start < pool.timeout + 15
     assert scores == [0.0, 1.0, 0.0, 0.0, 0.0]
-    assert pool.pop_stats() == {"graded": 5, "timeouts": 1, "crashes": 1}
+    assert pool.pop_stats() == {"graded": 5, "timeouts": 1, "crashes": 1, "errors": 1}
     assert pool.stats == {"graded": before["graded"] + 5, "timeouts": before["timeouts"] + 1,
-                          "crashes": before["crashes"] + 1}
+                          "crashes": before["crashes"] + 1, "errors": before["errors"] + 1}
     assert pool.grade(misbehaving_grader, ["a", "b", "c"], ["a", "b", "x"]) == [1.0, 1.0, 0.0]
-    assert pool.pop_stats() == {"graded": 3, "timeouts": 0, "crashes": 0}
+    assert pool.pop_stats() == {"graded": 3, "timeouts": 0, "crashes": 0, "errors": 0}
 
 
 def test_serial_pool_scores_exceptions_zero():
     serial = GradingPool(num_workers=0)
     assert serial.grade(misbehaving_grader, ["raise", "a"], ["a", "a"]) == [0.0, 1.0]
     assert serial.grade(grade_math, [r"\boxed{12}"], ["12"]) == [1.0]
-    assert serial.stats == {"graded": 3, "timeouts": 0, "crashes": 0}
+    assert serial.stats == {"graded": 3, "timeouts": 0, "crashes": 0, "errors": 1}
 
 
 def test_grade_rejects_mismatched_lengths(pool):
@@ -294,4 +294,4 @@ def test_items_queued_behind_a_lost_item_are_graded_on_a_new_worker(pool):
     completions = ["crash", "a", "crash", "b", "hang", "c", "a", "crash"]
     scores = pool.grade(misbehaving_grader, completions, ["a", "a", "a", "b", "a", "c", "a", "a"])
     assert scores == [0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0]
-    assert pool.pop_stats() == {"graded": 8, "timeouts": 1, "crashes": 3}
+    assert pool.pop_stats() == {"graded": 8, "timeouts": 1, "crashes": 3, "errors": 0}

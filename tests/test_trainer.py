@@ -133,8 +133,8 @@ def test_tiny_model_learns_a_rewarded_behaviour():
 
 
 def test_same_seed_same_metrics():
-    a = _trainer(_config(train={"steps": 3})).train()
-    b = _trainer(_config(train={"steps": 3})).train()
+    a = _trainer(_config(train={"steps": 3}, logging={"output_dir": "a"})).train()
+    b = _trainer(_config(train={"steps": 3}, logging={"output_dir": "b"})).train()
     keys = ["reward", "loss", "grad_norm", "experience/trajectories"]
     assert [[m[k] for k in keys] for m in a] == [[m[k] for k in keys] for m in b]
 

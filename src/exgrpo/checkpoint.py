@@ -5,34 +5,42 @@ A checkpoint is a directory `checkpoints/step-NNNNNN/` holding:
 * `optimizer.pt`: the trainer state's `optimizer` part (optimizer, scheduler) and the torch RNG state;
 * `buffer.safetensors`: the experience buffer (arrays + JSON metadata);
 * `trainer.json`: the trainer state's `trainer` part (step, phase, question-pool cursor, counters, resolved
-  config) and the Python and NumPy RNG states. Written last: its presence marks a whole checkpoint.
-It is written into a temporary directory and renamed into place, so it is either whole or absent. Nothing is
-unpickled on load: tensors come from safetensors or `torch.load(weights_only=True)`, the rest is JSON.
+  config) and the Python and NumPy RNG states;
+* `manifest.json`: the size and SHA-256 of every other file. Written last: its presence marks a whole checkpoint,
+  and loading verifies every file against it, so a truncated or altered file is reported by name.
+It is written into a temporary directory and renamed into place, so it is either whole or absent; an old checkpoint
+is renamed away before it is deleted, so a kill during pruning never leaves a half-deleted one that looks whole.
+Nothing is unpickled on load: tensors come from safetensors or `torch.load(weights_only=True)`, the rest is JSON.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from exgrpo.atomic import fsync_tree
+from exgrpo.errors import CheckpointError, RunDirectoryError
 from exgrpo.experience.buffer import read_state, write_state
 
 _PREFIX = "step-"
+_MANIFEST = "manifest.json"
+_SCRATCH = (".tmp-", ".deleting-")  # a checkpoint being written / being deleted
 
 
 def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
+    """Checkpoints of a run that were completely written (they have a manifest), oldest first."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and (p / "trainer.json").is_file()]
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and (p / _MANIFEST).is_file()]
     return sorted(found, key=checkpoint_step)
 
 
@@ -42,33 +50,92 @@ def checkpoint_step(checkpoint: Path) -> int:
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest completely written checkpoint (not verified: see `latest_intact_checkpoint`)."""
     dirs = checkpoint_dirs(run_dir)
     return dirs[-1] if dirs else None
 
 
+def verify_checkpoint(directory: str | Path) -> str | None:
+    """None if every file of the checkpoint matches its manifest, else what is wrong (naming the file)."""
+    directory = Path(directory)
+    try:
+        manifest = json.loads((directory / _MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        return f"{directory / _MANIFEST}: unreadable ({e})"
+    for name, expected in manifest["files"].items():
+        path = directory / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size != expected["size"]:
+            return f"{path} has {path.stat().st_size} bytes, the manifest says {expected['size']}"
+        if _sha256(path) != expected["sha256"]:
+            return f"{path} does not match its checksum (corrupted)"
+    return None
+
+
+def latest_intact_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest checkpoint that passes `verify_checkpoint`; each newer broken one is reported as a warning."""
+    for checkpoint in reversed(checkpoint_dirs(run_dir)):
+        problem = verify_checkpoint(checkpoint)
+        if problem is None:
+            return checkpoint
+        warnings.warn(f"skipping checkpoint {checkpoint.name}: {problem}", stacklevel=2)
+    return None
+
+
 def save_checkpoint(run_dir: str | Path, step: int, model, state: dict, keep: int = 2) -> Path:
     """Write `model` and a trainer `state` (`ExGRPOTrainer.state_dict()`) as the checkpoint of `step`; keep the
-    newest `keep` checkpoints."""
+    newest `keep` checkpoints. A failed write (full disk, no permission) is a RunDirectoryError naming the path;
+    the previous checkpoints are untouched by it."""
     root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"{_PREFIX}{step:06d}"
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    model.save_pretrained(str(tmp / "model"))
-    torch.save({**state["optimizer"], "torch_rng": torch.get_rng_state()}, tmp / "optimizer.pt")
-    write_state(state["buffer"], tmp / "buffer.safetensors")
-    np_state = np.random.get_state()
-    rng = {"python_rng": _jsonable(random.getstate()), "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
-    (tmp / "trainer.json").write_text(json.dumps({**state["trainer"], **rng}))
-    fsync_tree(tmp)
-    if final.exists():  # a re-run of the same step (after a resume) replaces it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    for old in checkpoint_dirs(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    tmp = root / f"{_SCRATCH[0]}{final.name}-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_scratch(root)  # left by a process killed while writing or pruning (the caller holds the run lock)
+        tmp.mkdir()
+        model.save_pretrained(str(tmp / "model"))
+        torch.save({**state["optimizer"], "torch_rng": torch.get_rng_state()}, tmp / "optimizer.pt")
+        write_state(state["buffer"], tmp / "buffer.safetensors")
+        np_state = np.random.get_state()
+        rng = {"python_rng": _jsonable(random.getstate()),
+               "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+        (tmp / "trainer.json").write_text(json.dumps({**state["trainer"], **rng}))
+        files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+                 for p in sorted(tmp.rglob("*")) if p.is_file()}
+        (tmp / _MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
+        fsync_tree(tmp)
+        if final.exists():  # a re-run of the same step (after a resume) replaces it
+            _delete(final)
+        os.replace(tmp, final)
+        for old in checkpoint_dirs(run_dir)[:-keep]:
+            _delete(old)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RunDirectoryError(f"cannot write checkpoint {final}: {e.strerror or e}"
+                                + (f" ({e.filename})" if getattr(e, "filename", None) else "")) from None
     return final
+
+
+def _delete(checkpoint: Path) -> None:
+    """Rename out of the checkpoint namespace first, so an interrupted delete leaves only scratch behind."""
+    doomed = checkpoint.with_name(f"{_SCRATCH[1]}{checkpoint.name}-{os.getpid()}")
+    os.replace(checkpoint, doomed)
+    shutil.rmtree(doomed)
+
+
+def _remove_scratch(root: Path) -> None:
+    for p in root.iterdir():
+        if p.is_dir() and p.name.startswith(_SCRATCH):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def read_trainer_json(directory: str | Path) -> dict:
@@ -77,9 +144,12 @@ def read_trainer_json(directory: str | Path) -> dict:
 
 
 def load_checkpoint(directory: str | Path, model) -> dict:
-    """Load the weights of checkpoint `directory` into `model`, restore the global RNGs, and return the trainer
-    state to pass to `ExGRPOTrainer.load_state_dict`."""
+    """Verify checkpoint `directory`, load its weights into `model`, restore the global RNGs, and return the
+    trainer state to pass to `ExGRPOTrainer.load_state_dict`."""
     directory = Path(directory)
+    problem = verify_checkpoint(directory)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {directory} is not intact: {problem}")
     trainer = read_trainer_json(directory)
     _load_weights(model, directory / "model")
     optimizer = torch.load(directory / "optimizer.pt", weights_only=True)

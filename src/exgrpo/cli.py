@@ -7,51 +7,58 @@ import argparse
 import shlex
 import sys
 import time
+import warnings
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from exgrpo.config import ConfigError, load_config
+from exgrpo.errors import ExgrpoError
 from exgrpo.evaluation.run import add_eval_parser, eval_command
 
 
 def _train(args, overrides) -> int:
-    from exgrpo.checkpoint import latest_checkpoint, read_trainer_json
-    from exgrpo.run import build_run
+    from exgrpo.config import read_yaml
+    from exgrpo.run import build_run, start_point
 
-    checkpoint = None
-    if args.resume == "auto":
-        config = load_config(args.config, overrides)
-        checkpoint = latest_checkpoint(config.logging.output_dir)
-    elif args.resume:
-        checkpoint = latest_checkpoint(args.resume)
-        if checkpoint is None:
-            raise ConfigError(f"--resume {args.resume}: no complete checkpoint under {args.resume}/checkpoints")
-        # the run's own resolved config, unless a config file is given; overrides apply on top either way
-        base = None if args.config else read_trainer_json(checkpoint)["config"]
+    if args.overwrite:
+        overrides = overrides + ["logging.overwrite=true"]
+    if args.resume and args.resume != "auto":
+        # the run's own resolved config (config.json), unless a config file is given; overrides apply on top
+        run_config = Path(args.resume) / "config.json"
+        if not run_config.is_file():
+            raise ConfigError(f"--resume {args.resume}: no run there (no {run_config})")
+        base = None if args.config else read_yaml(run_config, "run config")
         config = load_config(args.config, overrides + [f"logging.output_dir={args.resume}"], base=base)
     else:
         config = load_config(args.config, overrides)
+    config, checkpoint = start_point(config, resume=bool(args.resume), log=_note)
     run = build_run(config)
     try:
         if checkpoint is not None:
             run.trainer.resume(checkpoint)
-            print(f"exgrpo: resumed from {checkpoint} at step {run.trainer.step}", file=sys.stderr)
+            _note(f"resumed from {checkpoint} at step {run.trainer.step}")
         run.trainer.train()
     finally:
         run.close()
     return 0
 
 
+def _note(message: str) -> None:
+    print(f"exgrpo: {message}", file=sys.stderr)
+
+
 def _demo(args, overrides) -> int:
     """Held-out accuracy before, ExGRPO training (with periodic held-out evaluation), after, a table and a report."""
     from exgrpo.report import before_after_rows, write_report
-    from exgrpo.run import build_run
+    from exgrpo.run import build_run, start_point
 
     console = Console()
     start = time.perf_counter()
-    config = load_config(args.config, overrides)
-    console.print(f"[bold]exgrpo demo[/]: {config.model.name} on {config.data.train}")
+    # a demo always starts fresh: a previous demo run in its directory is replaced
+    config, _ = start_point(load_config(args.config, overrides + ["logging.overwrite=true"]), resume=False)
+    console.print(f"[bold]exgrpo demo[/]: {config.model.name} on {config.data.train} (in {config.logging.output_dir})")
     run = build_run(config)
     trainer = run.trainer
     try:
@@ -158,7 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--config", help="YAML config file")
         if name == "train":
             p.add_argument("--resume", metavar="RUN_DIR|auto",
-                           help="continue from the latest checkpoint of RUN_DIR (auto: of logging.output_dir, if any)")
+                           help="continue from the latest intact checkpoint of RUN_DIR (auto: of "
+                                "logging.output_dir, starting fresh when there is no run there)")
+            p.add_argument("--overwrite", action="store_true",
+                           help="start a fresh run even if logging.output_dir holds another run (deletes it)")
     add_eval_parser(sub)
     _add_experiment_parser(sub)
     args, overrides = parser.parse_known_args(argv)
@@ -168,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.samples is not None and args.samples < 1 or args.limit is not None and args.limit < 1:
             parser.error("--samples and --limit must be positive")
         return eval_command(args, sys.argv[1:] if argv is None else argv)
+    warnings.formatwarning = lambda message, category, *_: f"exgrpo: warning: {message}\n"
     try:
         if args.command == "experiment":
             if overrides:
@@ -176,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         return {"train": _train, "demo": _demo}[args.command](args, overrides)
     except ConfigError as e:
         print(f"exgrpo: config error: {e}", file=sys.stderr)
+        return 2
+    except ExgrpoError as e:
+        print(f"exgrpo: error: {e}", file=sys.stderr)
         return 2
 
 

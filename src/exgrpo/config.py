@@ -7,6 +7,7 @@ learning_rate, scale_rewards); defaults follow the released ExGRPO run script (s
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -15,8 +16,10 @@ from typing import Any, Literal
 
 import yaml
 
+from exgrpo.errors import ExgrpoError
 
-class ConfigError(ValueError):
+
+class ConfigError(ExgrpoError, ValueError):
     """A config file or override that cannot be honoured; the message names the field."""
 
 
@@ -64,6 +67,9 @@ class DataConfig:
     """Appended to every rendered prompt unless the chat template already ends with it (released: "<think>\\n")."""
     skip_invalid: bool = False
     """Skip (and count) dataset rows with a missing or ill-typed field instead of failing on the first one."""
+    benchmark_overlap: Literal["refuse", "drop", "allow"] = "refuse"
+    """Training or held-out questions whose text is a benchmark test question (by content): refuse the data, drop
+    them (and count them), or allow them (a deliberate contamination study)."""
 
 
 @dataclass
@@ -99,6 +105,11 @@ class RewardConfig:
     """Seconds a grading worker may spend on one completion before it scores 0 (and the worker is replaced)."""
     success_threshold: float = 1.0
     """A rollout counts as correct (for k, buckets, retirement, Pass@1) when its reward >= this."""
+    min_value: float = 0.0
+    """The range every reward function's values are expected in (the built-in graders: [0, 1]); values outside it
+    are warned about, naming the function."""
+    max_value: float = 1.0
+    """Upper end of that range; success_threshold must lie in (min_value, max_value]."""
 
 
 @dataclass
@@ -181,7 +192,9 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this."""
     skip_grad_norm: float = 500.0
-    """Skip the update when the grad norm is non-finite or above this."""
+    """Skip the update when the grad norm is non-finite or above this (.inf: never skip a finite one)."""
+    max_skipped_updates: int = 5
+    """Stop with an error once more optimizer steps than this have been skipped in the run."""
     seed: int = 47
     """Seeds the data order, batch composition, rollouts and held-out sampling."""
     save_every: int = 50
@@ -210,6 +223,9 @@ class EvalConfig:
 class LoggingConfig:
     output_dir: str = "runs/exgrpo"
     """The run directory: config.json, metrics.jsonl, samples.jsonl, tensorboard/ and checkpoints/."""
+    overwrite: bool = False
+    """Start a fresh run even if output_dir holds another run's files (they are deleted); without it that is an
+    error (continue a run with `exgrpo train --resume`)."""
     tensorboard: bool = True
     """Write TensorBoard scalars under output_dir/tensorboard."""
     wandb: bool = False
@@ -249,30 +265,152 @@ class ExGRPOConfig:
 
 
 def validate(cfg: ExGRPOConfig) -> None:
-    """Cross-field checks; each error names the fields."""
-    K = cfg.rollout.num_generations
-    checks = [
-        (K >= 2, f"rollout.num_generations must be >= 2 (got {K})"),
-        (0.0 <= cfg.experience.ratio <= 1.0, f"experience.ratio must be in [0, 1] (got {cfg.experience.ratio})"),
-        (cfg.train.prompts_per_step >= 1, "train.prompts_per_step must be >= 1"),
-        (cfg.train.mini_batches >= 1, "train.mini_batches must be >= 1"),
-        (cfg.train.prompts_per_step % cfg.train.mini_batches == 0,
-         f"train.prompts_per_step ({cfg.train.prompts_per_step}) must be divisible by train.mini_batches "
-         f"({cfg.train.mini_batches}): each mini-batch holds whole groups"),
-        (cfg.train.micro_batch_size >= 1, "train.micro_batch_size must be >= 1"),
-        (cfg.rollout.max_completion_length >= 1, "rollout.max_completion_length must be >= 1"),
-        (cfg.rollout.temperature > 0, "rollout.temperature must be > 0 (sampling is required for GRPO groups)"),
-        (0 < cfg.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]"),
-        (cfg.objective.beta > 0, "objective.beta must be > 0"),
-        (cfg.train.learning_rate > 0, "train.learning_rate must be > 0"),
-        (cfg.experience.rbound is None or cfg.experience.lbound < cfg.experience.rbound <= K - 1,
-         f"experience.lbound < experience.rbound <= num_generations-1 ({K - 1}) must hold"),
-        (cfg.reward.timeout > 0, "reward.timeout must be > 0"),
-        (cfg.train.save_total_limit >= 1, "train.save_total_limit must be >= 1"),
-    ]
-    for ok, message in checks:
+    """Every value and every combination, before anything is loaded; the error names the field and what it needs."""
+    _check_finite(cfg, "")
+    for ok, message in _rules(cfg):
         if not ok:
             raise ConfigError(message)
+
+
+_MAY_BE_INFINITE = {"train.skip_grad_norm"}
+
+
+def _check_finite(node, prefix: str) -> None:
+    for f in dataclasses.fields(node):
+        value, where = getattr(node, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_finite(value, where + ".")
+        elif isinstance(value, float) and not math.isfinite(value):
+            if not (value == math.inf and where in _MAY_BE_INFINITE):
+                raise ConfigError(f"{where} must be a finite number (got {value})")
+
+
+def _rules(cfg: ExGRPOConfig):
+    """(condition, message) pairs, in field order; the first false one is reported."""
+    m, d, ro, rw, o, e, t, ev, lg = (cfg.model, cfg.data, cfg.rollout, cfg.reward, cfg.objective, cfg.experience,
+                                     cfg.train, cfg.eval, cfg.logging)
+    K, B = ro.num_generations, t.prompts_per_step
+    rbound = K - 1 if e.rbound is None else e.rbound
+
+    def at_least(where: str, value, low) -> tuple[bool, str]:
+        return value >= low, f"{where} must be >= {low} (got {value})"
+
+    def positive(where: str, value) -> tuple[bool, str]:
+        return value > 0, f"{where} must be > 0 (got {value})"
+
+    def optional_at_least(where: str, value, low) -> tuple[bool, str]:
+        return value is None or value >= low, f"{where} must be null or >= {low} (got {value})"
+
+    def text(where: str, value) -> tuple[bool, str]:
+        return bool(value and value.strip()), f"{where} must be a non-empty string"
+
+    lora = m.lora
+    yield text("model.name", m.name)
+    if lora is not None:
+        yield at_least("model.lora.r", lora.r, 1)
+        yield positive("model.lora.alpha", lora.alpha)
+        yield 0 <= lora.dropout < 1, f"model.lora.dropout must be in [0, 1) (got {lora.dropout})"
+        yield text("model.lora.target_modules", lora.target_modules)
+    yield text("data.train", d.train)
+    yield text("data.split", d.split)
+    yield optional_at_least("data.limit", d.limit, 1)
+    yield at_least("data.holdout", d.holdout, 0)
+    yield d.eval is None or bool(d.eval.strip()), "data.eval must be null or a non-empty string"
+    yield at_least("rollout.num_generations", K, 2)
+    yield at_least("rollout.max_completion_length", ro.max_completion_length, 1)
+    yield ro.temperature > 0, f"rollout.temperature must be > 0 (got {ro.temperature}; GRPO groups need sampling)"
+    yield 0 < ro.top_p <= 1, f"rollout.top_p must be in (0, 1] (got {ro.top_p})"
+    yield at_least("rollout.top_k", ro.top_k, 0)
+    yield at_least("rollout.generation_batch_size", ro.generation_batch_size, 1)
+    yield at_least("reward.workers", rw.workers, 0)
+    yield positive("reward.timeout", rw.timeout)
+    yield rw.min_value < rw.max_value, \
+        f"reward.min_value ({rw.min_value}) must be < reward.max_value ({rw.max_value})"
+    yield rw.min_value < rw.success_threshold <= rw.max_value, \
+        (f"reward.success_threshold ({rw.success_threshold}) must lie in (reward.min_value, reward.max_value] = "
+         f"({rw.min_value}, {rw.max_value}]: otherwise every rollout, or none, counts as correct")
+    yield rw.function is None or (rw.function.count(":") == 1 and all(rw.function.split(":"))), \
+        f"reward.function must look like 'module:name' (got {rw.function!r})"
+    yield not rw.think_gate or (rw.grader == "math" and rw.function is None), \
+        "reward.think_gate applies to the math grader only (reward.grader: math, no reward.function)"
+    yield 0 <= o.epsilon_low < 1, f"objective.epsilon_low must be in [0, 1) (got {o.epsilon_low})"
+    yield at_least("objective.epsilon_high", o.epsilon_high, 0)
+    yield positive("objective.beta", o.beta)
+    yield o.normalizer is None or o.normalizer > 0, f"objective.normalizer must be null or > 0 (got {o.normalizer})"
+    yield o.normalizer is None or o.aggregation == "sum_constant", \
+        f"objective.normalizer is used by aggregation sum_constant only (aggregation is {o.aggregation!r})"
+    yield 0 <= e.ratio <= 1, f"experience.ratio must be in [0, 1] (got {e.ratio})"
+    yield e.ratio == 0 or math.floor(B * e.ratio + 1e-9) >= 1, \
+        (f"experience.ratio ({e.ratio}) x train.prompts_per_step ({B}) < 1: no batch could hold an experiential "
+         "question (use ratio 0 for GRPO)")
+    yield 0 <= e.start_threshold < 1, f"experience.start_threshold must be in [0, 1) (got {e.start_threshold})"
+    yield positive("experience.bucket_sigma", e.bucket_sigma)
+    yield e.bucket_mean is None or 1 <= e.bucket_mean <= K - 1, \
+        f"experience.bucket_mean must be null or in [1, num_generations-1 = {K - 1}] (got {e.bucket_mean})"
+    yield e.bucket_scheme == "normal" or (e.bucket_mean is None and e.bucket_sigma == 1.0), \
+        f"experience.bucket_mean and bucket_sigma apply to bucket_scheme normal only (scheme is {e.bucket_scheme!r})"
+    yield 0 <= e.lbound < rbound <= K - 1, \
+        (f"experience.lbound ({e.lbound}) < experience.rbound ({rbound}) <= num_generations-1 ({K - 1}) must hold, "
+         "with lbound >= 0")
+    yield optional_at_least("experience.max_trajectories_per_question", e.max_trajectories_per_question, 1)
+    yield optional_at_least("experience.max_questions", e.max_questions, 1)
+    yield at_least("experience.selection_batch_size", e.selection_batch_size, 1)
+    yield at_least("train.steps", t.steps, 1)
+    yield at_least("train.prompts_per_step", B, 1)
+    yield at_least("train.mini_batches", t.mini_batches, 1)
+    yield B % t.mini_batches == 0, \
+        (f"train.prompts_per_step ({B}) must be divisible by train.mini_batches ({t.mini_batches}): each "
+         "mini-batch holds whole groups")
+    yield at_least("train.micro_batch_size", t.micro_batch_size, 1)
+    yield positive("train.learning_rate", t.learning_rate)
+    yield at_least("train.weight_decay", t.weight_decay, 0)
+    yield 0 <= t.adam_beta1 < 1, f"train.adam_beta1 must be in [0, 1) (got {t.adam_beta1})"
+    yield 0 <= t.adam_beta2 < 1, f"train.adam_beta2 must be in [0, 1) (got {t.adam_beta2})"
+    yield 0 <= t.warmup_steps <= t.steps * t.mini_batches, \
+        (f"train.warmup_steps must be in [0, train.steps x train.mini_batches = {t.steps * t.mini_batches}] "
+         f"optimizer steps (got {t.warmup_steps})")
+    yield positive("train.max_grad_norm", t.max_grad_norm)
+    yield positive("train.skip_grad_norm", t.skip_grad_norm)
+    yield at_least("train.max_skipped_updates", t.max_skipped_updates, 0)
+    yield at_least("train.seed", t.seed, 0)
+    yield at_least("train.save_every", t.save_every, 0)
+    yield at_least("train.save_total_limit", t.save_total_limit, 1)
+    yield at_least("train.threads", t.threads, 0)
+    yield at_least("eval.every", ev.every, 0)
+    yield at_least("eval.samples", ev.samples, 1)
+    yield positive("eval.temperature", ev.temperature)
+    yield optional_at_least("eval.max_questions", ev.max_questions, 1)
+    yield text("logging.output_dir", lg.output_dir)
+    yield at_least("logging.sample_every", lg.sample_every, 0)
+
+
+# Changing these on resume leaves the algorithm as it was: length, bookkeeping, memory and speed knobs.
+RESUMABLE_CHANGES = ("train.steps", "train.save_every", "train.save_total_limit", "train.threads",
+                     "train.check_replicas", "train.max_skipped_updates", "train.micro_batch_size",
+                     "rollout.generation_batch_size", "experience.selection_batch_size", "reward.workers",
+                     "reward.timeout", "eval.", "logging.")
+
+
+def config_changes(old: dict, new: dict) -> tuple[list[str], list[str]]:
+    """The fields where two resolved configs (`to_dict()`) differ, as "field: old -> new", split into (changes
+    that alter the algorithm, harmless ones listed in RESUMABLE_CHANGES)."""
+    def flat(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in tree.items():
+            if isinstance(value, dict) and not (prefix + key == "model.lora"):
+                out.update(flat(value, f"{prefix}{key}."))
+            else:
+                out[prefix + key] = value
+        return out
+
+    a, b = flat(old), flat(new)
+    algorithmic, harmless = [], []
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) != b.get(key):
+            line = f"{key}: {a.get(key)!r} -> {b.get(key)!r}"
+            is_harmless = any(key == h or (h.endswith(".") and key.startswith(h)) for h in RESUMABLE_CHANGES)
+            (harmless if is_harmless else algorithmic).append(line)
+    return algorithmic, harmless
 
 
 # ---------------------------------------------------------------- building from dicts, YAML, overrides

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 from urllib.parse import unquote
 
+from exgrpo.errors import ExgrpoError
+
 logger = logging.getLogger(__name__)
 
 RG_PREFIX = "reasoning_gym:"
@@ -28,7 +30,7 @@ _FILE_SUFFIXES = (".parquet", ".jsonl")
 _PROMPT_EXPECTED = "a string or a non-empty list of {role, content} chat messages"
 
 
-class DataError(ValueError):
+class DataError(ExgrpoError, ValueError):
     """A dataset row or source that cannot be turned into questions."""
 
 

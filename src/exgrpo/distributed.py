@@ -60,6 +60,11 @@ class Distributed:
             dist.barrier()
 
 
+def launched_rank() -> int:
+    """This process's rank as the launcher set it (0 without a launcher), before the process group exists."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def init_distributed() -> Distributed:
     """Join the process group described by the launcher's environment (single process when absent)."""
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":

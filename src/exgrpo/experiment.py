@@ -129,8 +129,7 @@ def completed_steps(run_dir: Path) -> int:
 def run_study(study: Study, arms: list[str] | None = None, seeds: list[int] | None = None,
               log: Callable[[str], None] = print) -> None:
     """Train every selected (arm, seed) run that has not reached its last step, resuming from its checkpoint."""
-    from exgrpo.checkpoint import checkpoint_step, latest_checkpoint
-    from exgrpo.run import build_run
+    from exgrpo.run import build_run, start_point
 
     selected = [study.arm(a) for a in arms] if arms else list(study.arms)
     for arm in selected:
@@ -138,12 +137,12 @@ def run_study(study: Study, arms: list[str] | None = None, seeds: list[int] | No
             if seeds and seed not in seeds:
                 continue
             config = study.config(arm, seed)
-            checkpoint = latest_checkpoint(study.run_dir(arm, seed))
-            done = checkpoint_step(checkpoint) if checkpoint is not None else 0
+            done = completed_steps(study.run_dir(arm, seed))
             if done >= config.train.steps:
                 log(f"{arm.name} seed {seed}: complete ({done} steps), skipped")
                 continue
-            log(f"{arm.name} seed {seed}: " + (f"resuming at step {done}" if done else "starting"))
+            config, checkpoint = start_point(config, resume=True, log=lambda m: log(f"{arm.name} seed {seed}: {m}"))
+            log(f"{arm.name} seed {seed}: " + (f"resuming at step {done}" if checkpoint else "starting"))
             run = build_run(config)
             try:
                 if checkpoint is not None:

@@ -45,6 +45,7 @@ def pack_groups(groups: Sequence[Group], pad_id: int) -> PackedBatch:
 class GroupRewards:
     total: np.ndarray  # (G, K) weighted sum of the reward functions
     per_function: dict[str, np.ndarray]  # name -> (G, K) rewards, NaN where a function returned None
+    grading: dict[str, int] = field(default_factory=dict)  # timeouts, crashes, errors of the grading pool
 
 
 def score_groups(groups: Sequence[Group], tokenizer, reward_funcs: Sequence[Callable],

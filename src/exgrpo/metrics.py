@@ -48,6 +48,11 @@ METRICS: tuple[Metric, ...] = tuple(
                          "`reward.success_threshold`): the batch Pass@1 that the delayed start compares with "
                          "`experience.start_threshold`."),
         ("completions/mean_length", "Mean completion length in tokens over all group members (EOS included)."),
+        ("rewards/{name}/mean", "Mean of reward function `name` over the completions it gave a reward for "
+                                "(before weighting; NaN when it returned None for all)."),
+        ("grading/timeouts", "Completions whose grading ran past `reward.timeout` this step (scored 0)."),
+        ("grading/crashes", "Completions whose grading worker died this step (scored 0)."),
+        ("grading/errors", "Completions whose grader or reward function raised this step (scored 0)."),
         ("completions/clipped_ratio", "Fraction of the step's fresh rollouts stopped by "
                                       "`rollout.max_completion_length` before an EOS."),
         ("tokens_per_second", "Completion tokens of the step (replays included) divided by `time/step`."),
@@ -160,9 +165,16 @@ def step_metrics(phase: str, groups: Sequence[Group], rewards: GroupRewards, cor
         "time/step": elapsed,
         "tokens_per_second": float(lengths.sum()) / max(elapsed, 1e-9),
         **{f"experience/bucket_{k}": float(v) for k, v in buffer.bucket_histogram().items()},
+        **{f"rewards/{name}/mean": _nanmean(values) for name, values in rewards.per_function.items()},
+        **{f"grading/{k}": float(v) for k, v in rewards.grading.items() if k != "graded"},
         **timings,
         **update_stats,
     }
+
+
+def _nanmean(values: np.ndarray) -> float:
+    present = values[~np.isnan(values)]
+    return float(present.mean()) if present.size else float("nan")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from exgrpo.errors import ExgrpoError
+
 logger = logging.getLogger(__name__)
 
 SMOLLM2_PRESET = "smollm2-135m-instruct"
@@ -60,7 +62,7 @@ _SMOLLM2_GGUF_STEM = "SmolLM2-135M-Instruct"
 _CONVERSION_MARKER = "exgrpo_conversion.json"
 
 
-class PolicyNotFoundError(FileNotFoundError, ValueError):
+class PolicyNotFoundError(ExgrpoError, FileNotFoundError, ValueError):
     """``name_or_path`` is neither a preset, a local model directory nor a reachable hub id.
 
     Subclasses both ``FileNotFoundError`` and ``ValueError`` so either can be caught.

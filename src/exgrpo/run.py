@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
-import importlib
-import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from exgrpo.config import ConfigError, ExGRPOConfig
+from exgrpo.checkpoint import checkpoint_dirs, latest_intact_checkpoint, read_trainer_json
+from exgrpo.config import ConfigError, ExGRPOConfig, config_changes
 from exgrpo.data import load_questions, split_holdout
+from exgrpo.distributed import launched_rank
+from exgrpo.errors import CheckpointError, RunDirectoryError
+from exgrpo.evaluation.contamination import screen_benchmark_questions
 from exgrpo.models import LoraSettings, load_policy
-from exgrpo.rewards import ChoiceReward, GradingPool, MathReward, ReasoningGymReward
+from exgrpo.rewards import ChoiceReward, GradingPool, IsolatedReward, MathReward, ReasoningGymReward
+from exgrpo.rewards.functions import import_function
+from exgrpo.rundir import holds_a_run, lock_run_directory
 from exgrpo.trainer import ExGRPOTrainer
 
 
@@ -29,11 +34,11 @@ class Run:
 def build_reward_funcs(config: ExGRPOConfig, pool: GradingPool) -> list:
     r = config.reward
     if r.function:
-        module, _, name = r.function.partition(":")
         try:
-            return [getattr(importlib.import_module(module), name)]
+            import_function(r.function)  # fail here, not in a grading worker
         except (ImportError, AttributeError, ValueError) as e:
             raise ConfigError(f"reward.function: cannot import {r.function!r} (expected 'module:name'): {e}") from None
+        return [IsolatedReward(r.function, pool)]
     if r.grader == "math":
         return [MathReward(think_gate=r.think_gate, pool=pool)]
     if r.grader == "choice":
@@ -42,23 +47,62 @@ def build_reward_funcs(config: ExGRPOConfig, pool: GradingPool) -> list:
 
 
 def build_run(config: ExGRPOConfig) -> Run:
+    """Load the questions (benchmark questions screened before the model loads), the model and the rewards."""
     c = config
     torch.manual_seed(c.train.seed)
     if c.train.threads:
         torch.set_num_threads(c.train.threads)
     questions = load_questions(c.data.train, split=c.data.split, limit=c.data.limit, skip_invalid=c.data.skip_invalid,
                                prompt_suffix=c.data.prompt_suffix)
+    questions = screen_benchmark_questions(questions, c.data.benchmark_overlap, f"data.train {c.data.train}")
     train, holdout = split_holdout(questions, c.data.holdout, c.train.seed) if c.data.holdout else (list(questions), [])
     if c.data.eval:
-        holdout = list(load_questions(c.data.eval, skip_invalid=c.data.skip_invalid,
-                                      prompt_suffix=c.data.prompt_suffix))
+        holdout = load_questions(c.data.eval, skip_invalid=c.data.skip_invalid, prompt_suffix=c.data.prompt_suffix)
+        holdout = screen_benchmark_questions(holdout, c.data.benchmark_overlap, f"data.eval {c.data.eval}")
     lora = LoraSettings(c.model.lora.r, c.model.lora.alpha, c.model.lora.dropout, c.model.lora.target_modules) \
         if c.model.lora else None
     model, tokenizer = load_policy(c.model.name, dtype=c.model.dtype, lora=lora)
     pool = GradingPool(num_workers=c.reward.workers, timeout=c.reward.timeout)
     reward_funcs = build_reward_funcs(c, pool)
-    trainer = ExGRPOTrainer(model, tokenizer, reward_funcs, c, train, eval_dataset=holdout)
-    out = Path(c.logging.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(c.to_dict(), indent=2))
+    trainer = ExGRPOTrainer(model, tokenizer, reward_funcs, c, train, eval_dataset=holdout, grading_pool=pool)
     return Run(c, trainer, pool)
+
+
+def start_point(config: ExGRPOConfig, resume: bool, log: Callable[[str], None] = print
+                ) -> tuple[ExGRPOConfig, Path | None]:
+    """Lock the run directory and decide where the run starts: (config to run, checkpoint to resume from or None).
+
+    Fresh (`resume` false): the directory must not hold another run unless logging.overwrite. Resume: the newest
+    intact checkpoint (broken newer ones are reported); none at all but a run that died before its first
+    checkpoint: start it again from step 0; only broken ones: an error. A config that changes the algorithm
+    relative to the checkpoint's is refused with the differing fields; harmless changes are logged.
+    """
+    directory = config.logging.output_dir
+    main = launched_rank() == 0  # under data parallelism rank 0 owns the directory; the others only read it
+    if main:
+        lock_run_directory(directory)
+    if not resume:
+        existing = holds_a_run(directory)
+        if existing and not config.logging.overwrite and main:
+            raise RunDirectoryError(f"{directory} already holds a run ({', '.join(existing)}); continue it with "
+                                    f"`exgrpo train --resume {directory}`, or start over with --overwrite")
+        return config, None
+    if config.logging.overwrite:
+        raise ConfigError("--resume and logging.overwrite (--overwrite) contradict each other")
+    checkpoint = latest_intact_checkpoint(directory)
+    if checkpoint is None:
+        if checkpoint_dirs(directory):
+            raise CheckpointError(f"{directory}: no intact checkpoint to resume from (see the warnings above); "
+                                  "restore one, or start over with --overwrite")
+        if holds_a_run(directory):
+            if main:
+                log(f"{directory}: the run stopped before its first checkpoint; starting it again from step 0")
+            return replace(config, logging=replace(config.logging, overwrite=True)), None
+        return config, None
+    algorithmic, harmless = config_changes(read_trainer_json(checkpoint)["config"], config.to_dict())
+    if algorithmic:
+        raise ConfigError(f"cannot resume {checkpoint} with a config that changes the algorithm: "
+                          f"{'; '.join(algorithmic)} (start a new run in another logging.output_dir instead)")
+    if harmless and main:
+        log(f"resuming with changed settings: {'; '.join(harmless)}")
+    return config, checkpoint

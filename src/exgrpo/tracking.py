@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from exgrpo.atomic import write_text_atomic
+from exgrpo.errors import RunDirectoryError
 
 
 class Tracker:
@@ -25,7 +26,8 @@ class Tracker:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+            # a resumed run re-logs the steps after its checkpoint: drop TensorBoard's copies of them
+            self._tb = SummaryWriter(str(self.dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
         self._wandb = None
         if wandb:
             try:
@@ -44,8 +46,11 @@ class Tracker:
 
     def log(self, step: int, metrics: dict) -> None:
         clean = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
-        self._jsonl.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
-        self._jsonl.flush()
+        try:
+            self._jsonl.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+            self._jsonl.flush()
+        except OSError as e:
+            raise RunDirectoryError(f"cannot write {self._jsonl.name}: {e.strerror or e}") from None
         if self._tb is not None:
             for key, value in clean.items():
                 self._tb.add_scalar(key, value, step)
@@ -86,10 +91,23 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 def truncate_metrics(run_dir: str | Path, step: int) -> None:
-    """Drop logged lines of steps after `step` (they are re-run after a resume), atomically."""
+    """Drop logged lines of steps after `step` (they are re-run after a resume), atomically.
+
+    A last line cut short by a kill is dropped too; an unreadable line elsewhere is an error naming it.
+    """
     for name in ("metrics.jsonl", "samples.jsonl"):
         path = Path(run_dir) / name
         if not path.is_file():
             continue
-        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        kept = []
+        for number, line in enumerate(lines, start=1):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                if number == len(lines):  # torn by a kill mid-write
+                    break
+                raise RunDirectoryError(f"{path} line {number} is not JSON: {line[:80]!r}") from None
+            if record["step"] <= step:
+                kept.append(line)
         write_text_atomic(path, "".join(line + "\n" for line in kept))

@@ -15,19 +15,24 @@ With experience.ratio = 0 the same loop is plain GRPO (PPO clipping throughout, 
 from __future__ import annotations
 
 import hashlib
+import json
 import signal
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
+from exgrpo.atomic import write_text_atomic
 from exgrpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from exgrpo.config import ExGRPOConfig
 from exgrpo.data import PromptEncoder, Question
 from exgrpo.distributed import Distributed, init_distributed, shard
+from exgrpo.errors import RunDirectoryError
+from exgrpo.evaluation.contamination import screen_benchmark_questions
 from exgrpo.evaluation.heldout import Accuracy, evaluate_accuracy
 from exgrpo.experience import ExperienceBuffer, Trajectory, num_experiential, sample_questions, select_replays
 from exgrpo.groups import Group, GroupRewards, Member, form_groups, pack_groups, score_groups
@@ -35,6 +40,9 @@ from exgrpo.metrics import step_metrics
 from exgrpo.objective import group_advantages
 from exgrpo.policy import PackedBatch, candidate_scores
 from exgrpo.question_pool import QuestionPool
+from exgrpo.rewards import GradingPool
+from exgrpo.rewards.health import RewardHealth
+from exgrpo.rundir import clear_run, holds_a_run, lock_run_directory, unlock_run_directory
 from exgrpo.rollout import RolloutEngine, SamplingSettings, build_engine, derive_seed
 from exgrpo.timing import StageTimer
 from exgrpo.tracking import Tracker, truncate_metrics
@@ -67,12 +75,14 @@ class ExGRPOTrainer:
         engine: a RolloutEngine (default: the one `rollout.engine` names, sampling from `model`).
         eval_dataset: held-out questions, evaluated every eval.every steps with the reward functions
             (logged as eval/accuracy and eval/stderr).
+        grading_pool: the pool the reward functions grade in, whose timeouts and crashes are logged per step.
+    Questions that are benchmark test questions are handled as `data.benchmark_overlap` says.
     """
 
     def __init__(self, model, tokenizer, reward_funcs: Sequence[Callable], config: ExGRPOConfig,
                  train_dataset: Sequence[Question], reward_weights: Sequence[float] | None = None,
                  engine: RolloutEngine | None = None, distributed: Distributed | None = None,
-                 eval_dataset: Sequence[Question] | None = None):
+                 eval_dataset: Sequence[Question] | None = None, grading_pool: GradingPool | None = None):
         self.dist = distributed or init_distributed()
         model.to(self.dist.device)
         self.model, self.tokenizer, self.config = model, tokenizer, config
@@ -80,9 +90,13 @@ class ExGRPOTrainer:
         if not self.reward_funcs:
             raise ValueError("at least one reward function is required")
         self.reward_weights = list(reward_weights) if reward_weights is not None else [1.0] * len(self.reward_funcs)
-        self.eval_dataset = list(eval_dataset or [])
-        self.last_evaluation: Accuracy | None = None  # the latest periodic evaluation
         c = config
+        overlap = c.data.benchmark_overlap
+        train_dataset = screen_benchmark_questions(train_dataset, overlap, "training questions")
+        self.eval_dataset = screen_benchmark_questions(eval_dataset or [], overlap, "held-out questions")
+        self.last_evaluation: Accuracy | None = None  # the latest periodic evaluation
+        self.grading_pool = grading_pool
+        self.reward_health = RewardHealth(c.reward.min_value, c.reward.max_value, c.reward.success_threshold)
         if c.train.threads:
             torch.set_num_threads(c.train.threads)
         self.K = c.rollout.num_generations
@@ -102,6 +116,7 @@ class ExGRPOTrainer:
                                    on_optimizer_step=self.engine.sync_weights)
         self.phase = WARMUP
         self.step = 0
+        self._resumed = False
         self.history: list[dict] = []
         self.last_step: StepRecord | None = None
 
@@ -179,13 +194,18 @@ class ExGRPOTrainer:
             g.members.append(Member(ids, truncated))
 
     def score(self, groups: list[Group]) -> GroupRewards:
-        """(G, K) rewards; each rank grades its shard of the groups, every rank receives all of them."""
+        """(G, K) rewards; each rank grades its shard of the groups, every rank receives all of them. Unhealthy
+        rewards are warned about or stop the run (see exgrpo.rewards.health)."""
         start, end = self.dist.shard_bounds(len(groups))
         mine = score_groups(groups[start:end], self.tokenizer, self.reward_funcs, self.reward_weights)
+        mine.grading = self.grading_pool.pop_stats() if self.grading_pool is not None else {}
         gathered = self.dist.gather([mine])
-        return GroupRewards(np.concatenate([r.total for r in gathered]),
-                            {name: np.concatenate([r.per_function[name] for r in gathered]) for name in
-                             mine.per_function})
+        rewards = GroupRewards(np.concatenate([r.total for r in gathered]),
+                               {name: np.concatenate([r.per_function[name] for r in gathered])
+                                for name in mine.per_function},
+                               {k: sum(r.grading[k] for r in gathered) for k in mine.grading})
+        self.reward_health.check(self.step + 1, rewards.per_function, rewards.total, rewards.grading)
+        return rewards
 
     def retire(self, groups: list[Group], correct: np.ndarray) -> int:
         """Retire the questions of K/K-correct groups (spec §2); returns how many were retired now."""
@@ -220,34 +240,61 @@ class ExGRPOTrainer:
     def train(self, tracker: Tracker | None = None, on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
         """Run until train.steps (or until every question is retired), checkpointing into logging.output_dir.
 
-        SIGINT/SIGTERM finish the current step, write a checkpoint and return. Returns per-step metrics.
-        Under data parallelism only rank 0 logs and writes checkpoints.
+        The run directory is locked while training; a fresh (not resumed) run refuses a directory holding another
+        run's files unless logging.overwrite. SIGINT/SIGTERM finish the current step, write a checkpoint and
+        return. Returns per-step metrics. Under data parallelism only rank 0 logs and writes checkpoints.
         """
         c, dp = self.config, self.dist
-        own_tracker = tracker is None and dp.is_main
-        if own_tracker:
-            tracker = Tracker(c.logging.output_dir, c.train.steps, tensorboard=c.logging.tensorboard,
-                              wandb=c.logging.wandb, progress=c.logging.progress, config=c.to_dict(),
-                              start_step=self.step)
-        stop = _StopRequest()
+        if dp.is_main:
+            lock_run_directory(c.logging.output_dir)
         try:
-            with stop:
-                while self.step < c.train.steps and not dp.any_true(bool(stop.requested)):
-                    if self.pool.remaining == 0:
-                        if tracker:
-                            tracker.print(f"[yellow]Every training question is retired (solved {self.K}/{self.K}); "
-                                          f"stopping at step {self.step}.")
-                        break
-                    self._run_step(tracker, on_step)
-                if stop.requested and tracker:
-                    tracker.print(f"[yellow]{stop.requested}: checkpointing at step {self.step} and exiting.")
-                latest = latest_checkpoint(c.logging.output_dir)
-                if latest is None or latest.name != f"step-{self.step:06d}":
-                    self.save()
-        finally:
+            if dp.is_main:
+                self._claim_run_directory()
+            own_tracker = tracker is None and dp.is_main
             if own_tracker:
-                tracker.close()
+                tracker = Tracker(c.logging.output_dir, c.train.steps, tensorboard=c.logging.tensorboard,
+                                  wandb=c.logging.wandb, progress=c.logging.progress, config=c.to_dict(),
+                                  start_step=self.step)
+            try:
+                self._train_loop(tracker, on_step)
+            finally:
+                if own_tracker:
+                    tracker.close()
+        finally:
+            if dp.is_main:
+                unlock_run_directory(c.logging.output_dir)
         return self.history
+
+    def _claim_run_directory(self) -> None:
+        """A fresh run starts in a directory without another run's files (or clears them, with overwrite); then
+        the resolved config is written."""
+        c = self.config
+        directory = c.logging.output_dir
+        if not self._resumed:
+            existing = holds_a_run(directory)
+            if existing and not c.logging.overwrite:
+                raise RunDirectoryError(
+                    f"{directory} already holds a run ({', '.join(existing)}); continue it with `exgrpo train "
+                    f"--resume {directory}`, or start over with logging.overwrite=true (deletes it)")
+            clear_run(directory)
+        write_text_atomic(Path(directory) / "config.json", json.dumps(c.to_dict(), indent=2))
+
+    def _train_loop(self, tracker: Tracker | None, on_step: Callable[[int, dict], None] | None) -> None:
+        c, dp = self.config, self.dist
+        stop = _StopRequest()
+        with stop:
+            while self.step < c.train.steps and not dp.any_true(bool(stop.requested)):
+                if self.pool.remaining == 0:
+                    if tracker:
+                        tracker.print(f"[yellow]Every training question is retired (solved {self.K}/{self.K}); "
+                                      f"stopping at step {self.step}.")
+                    break
+                self._run_step(tracker, on_step)
+            if stop.requested and tracker:
+                tracker.print(f"[yellow]{stop.requested}: checkpointing at step {self.step} and exiting.")
+            latest = latest_checkpoint(c.logging.output_dir)
+            if latest is None or latest.name != f"step-{self.step:06d}":
+                self.save()
 
     def _run_step(self, tracker: Tracker | None, on_step: Callable[[int, dict], None] | None) -> None:
         """A step plus what follows it: periodic evaluation, logging, checkpointing."""
@@ -304,9 +351,12 @@ class ExGRPOTrainer:
         self.dist.barrier()
 
     def resume(self, directory) -> None:
-        """Continue from a checkpoint directory (see exgrpo.checkpoint); the config must be the run's own."""
+        """Continue from a checkpoint directory (see exgrpo.checkpoint); the config must be the run's own (see
+        `exgrpo.run.start_point`). Logged lines of later steps are dropped: they will be logged again."""
         self.load_state_dict(load_checkpoint(directory, self.model))
-        truncate_metrics(self.config.logging.output_dir, self.step)
+        self._resumed = True
+        if self.dist.is_main:
+            truncate_metrics(self.config.logging.output_dir, self.step)
 
     # ------------------------------------------------------------------ reporting
     def _check_replicas(self) -> dict:

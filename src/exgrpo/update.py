@@ -18,6 +18,7 @@ import torch
 
 from exgrpo.config import ObjectiveConfig, TrainConfig
 from exgrpo.distributed import Distributed
+from exgrpo.errors import TrainingError
 from exgrpo.timing import StageTimer
 from exgrpo.objective import LossSettings, merge_stats, mixed_policy_loss
 from exgrpo.policy import PackedBatch, token_logprobs
@@ -101,12 +102,16 @@ class PolicyUpdate:
         return UpdateResult(stats, old_logp)
 
     def _mini_batches(self, num_groups: int, rng: np.random.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(all rows of the mini-batch, this rank's rows) for each of the M mini-batches of shuffled groups."""
+        """(all rows of the mini-batch, this rank's rows) for each of the M mini-batches of shuffled groups; fewer
+        mini-batches when fewer than M groups are left. A rank's share may be empty (fewer groups than ranks)."""
         minis = []
         for chunk in np.array_split(rng.permutation(num_groups), self.train.mini_batches):
+            if len(chunk) == 0:
+                continue
             rows = [torch.arange(g * self.K, (g + 1) * self.K) for g in chunk.tolist()]
             start, end = self.dist.shard_bounds(len(rows))
-            minis.append((torch.cat(rows), torch.cat(rows[start:end])))
+            mine = torch.cat(rows[start:end]) if end > start else torch.empty(0, dtype=torch.long)
+            minis.append((torch.cat(rows), mine))
         return minis
 
     def _pre_update_logprobs(self, batch: PackedBatch, rows: torch.Tensor) -> torch.Tensor:
@@ -130,6 +135,10 @@ class PolicyUpdate:
         """Forward/backward over this rank's micro-batches of one mini-batch; gradients accumulate exactly."""
         mask = batch.completion_mask
         totals = {"total_tokens": float(mask[mini].sum()), "total_sequences": float(len(mini))}
+        if len(mine) == 0:  # other ranks hold this mini-batch's groups; join DDP's gradient all-reduce anyway
+            logp, _ = self._logprobs(self.train_model, batch, mini[:1], with_entropy=False)
+            (logp.sum() * 0.0).backward()
+            return 0.0, []
         micro_batches = mine.split(self.train.micro_batch_size)
         loss_sum, parts = 0.0, []
         for i, rows in enumerate(micro_batches):
@@ -146,6 +155,9 @@ class PolicyUpdate:
                 loss, stats = mixed_policy_loss(
                     logp, old_logp[rows].to(device), recorded.to(device), advantages[rows].to(device),
                     mask[rows].to(device), batch.replay_mask[rows].to(device), settings, entropy=entropy, **totals)
+                if not torch.isfinite(loss):
+                    raise TrainingError(f"the loss is not finite ({loss.item()}); the update is not applied and "
+                                        "the last checkpoint is the last good state")
                 (loss * self.dist.world_size).backward()
             loss_sum += loss.item()
             parts.append(stats)
@@ -156,8 +168,15 @@ class PolicyUpdate:
         norm = float(torch.nn.utils.clip_grad_norm_(params, self.train.max_grad_norm))
         if not math.isfinite(norm) or norm > self.train.skip_grad_norm:
             self.skipped_updates += 1
+            if self.skipped_updates > self.train.max_skipped_updates:
+                raise TrainingError(f"{self.skipped_updates} optimizer steps skipped (gradient norm {norm:g}: "
+                                    f"non-finite or above train.skip_grad_norm {self.train.skip_grad_norm:g}), more "
+                                    f"than train.max_skipped_updates {self.train.max_skipped_updates}")
         else:
             self.optimizer.step()
+            if not bool(torch.stack([torch.isfinite(p).all() for p in params]).all()):  # one device sync
+                raise TrainingError(f"the weights are not finite after an optimizer step (learning rate "
+                                    f"{self.learning_rate:g}); the last checkpoint is the last good state")
             self.on_optimizer_step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()

@@ -1,10 +1,11 @@
 """Verifiable rewards: answer graders, a process pool that bounds their time, and TRL-style reward functions."""
 
-from exgrpo.rewards.functions import ChoiceReward, MathReward, ReasoningGymReward, combine_rewards, score_completions
+from exgrpo.rewards.functions import (ChoiceReward, IsolatedReward, MathReward, ReasoningGymReward, combine_rewards,
+                                      score_completions)
 from exgrpo.rewards.graders import (after_think, choice_letter, extract_final_answer, grade_choice, grade_math,
                                     grade_math_boxed, last_boxed, score_reasoning_gym)
 from exgrpo.rewards.pool import GradingPool
 
 __all__ = ["grade_math", "grade_math_boxed", "grade_choice", "choice_letter", "last_boxed", "after_think",
            "extract_final_answer", "score_reasoning_gym", "GradingPool", "MathReward", "ChoiceReward",
-           "ReasoningGymReward", "combine_rewards", "score_completions"]
+           "ReasoningGymReward", "IsolatedReward", "combine_rewards", "score_completions"]

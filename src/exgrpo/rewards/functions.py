@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import importlib
 import json
 from typing import Any, Callable, Sequence
 
@@ -61,6 +63,43 @@ class ReasoningGymReward:
         if rg_entry is None or any(e is None for e in rg_entry):
             raise ValueError("reward.grader 'reasoning_gym' needs questions from a 'reasoning_gym:<task>' source")
         return self.pool.grade(grade_reasoning_gym, completions, [json.dumps(e) for e in rg_entry])
+
+
+@functools.lru_cache(maxsize=None)
+def import_function(spec: str) -> Callable:
+    """The callable named by 'module:name'."""
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def call_reward_function(completion: str, item_json: str, function: str) -> float:
+    """One completion through a user reward function (TRL's signature, one-item lists); None becomes NaN."""
+    item = json.loads(item_json)
+    columns = {k: [v] for k, v in item["columns"].items()}
+    out = import_function(function)(prompts=[item["prompt"]], completions=[completion],
+                                    completion_ids=[item["completion_ids"]], **columns)
+    if not isinstance(out, (list, tuple, np.ndarray)) or len(out) != 1:
+        raise ValueError(f"reward function {function!r} returned {out!r} for one completion")
+    return float("nan") if out[0] is None else float(out[0])
+
+
+class IsolatedReward:
+    """A user reward function ('module:name') run like the built-in graders: one completion at a time in the
+    grading pool, so a hang costs `reward.timeout` and a crash costs one item (both score 0 and are counted).
+
+    The function is called with one-item lists, so a function that needs the whole batch at once must be passed
+    to `ExGRPOTrainer` as a callable instead (it is then called once per batch, in-process, as TRL does).
+    """
+
+    def __init__(self, spec: str, pool: GradingPool):
+        self.spec, self.pool = spec, pool
+        self.name = spec.partition(":")[2]
+
+    def __call__(self, prompts: list, completions: list[str], completion_ids: list, **columns: Any) -> list[float]:
+        items = [json.dumps({"prompt": prompt, "completion_ids": list(ids),
+                             "columns": {k: v[i] for k, v in columns.items()}}, default=str)
+                 for i, (prompt, ids) in enumerate(zip(prompts, completion_ids))]
+        return self.pool.grade(call_reward_function, list(completions), items, function=self.spec)
 
 
 def combine_rewards(funcs: Sequence[RewardFunc], weights: Sequence[float], prompts: list, completions: list,

@@ -21,16 +21,24 @@ _START_TIMEOUT_S = 120.0  # a spawned worker imports sympy and math-verify befor
 Grader = Callable[..., float]
 
 
-def _call(grader: Grader, completion: str, gold: str, kwargs: dict[str, Any]) -> float:
-    """Grade one item; any exception scores 0.0."""
+def _call(grader: Grader, completion: str, gold: str, kwargs: dict[str, Any]) -> tuple[float, bool]:
+    """Grade one item: (score, whether it raised). An exception scores 0.0 and is counted as an error."""
     try:
-        return float(grader(completion, gold, **kwargs))
+        return float(grader(completion, gold, **kwargs)), False
     except Exception:
-        return 0.0
+        return 0.0, True
+
+
+def _exit_with(parent: int) -> None:
+    """A worker in its own session does not get the terminal's Ctrl-C; it leaves when its parent is gone."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
 
 
 def _serve(conn: Connection) -> None:
-    """Worker loop: reply to each (grader, completion, gold, kwargs) message with its score."""
+    """Worker loop: reply to each (grader, completion, gold, kwargs) message with (score, raised)."""
+    threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     conn.send(None)  # ready: imports are done, so the parent's item deadlines measure grading only
     while True:
         try:
@@ -60,8 +68,9 @@ def _spawn() -> _Worker:
     # re-runs any user script without an `if __name__ == "__main__"` guard. Fork would copy the trainer's threads.
     parent_conn, child_conn = mp.Pipe()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # graders import as in the parent
+    # Its own session: a Ctrl-C at the terminal reaches the trainer (which finishes the step), not the graders.
     proc = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, str(child_conn.fileno())],
-                            pass_fds=(child_conn.fileno(),), env=env, stdin=subprocess.DEVNULL)
+                            pass_fds=(child_conn.fileno(),), env=env, stdin=subprocess.DEVNULL, start_new_session=True)
     child_conn.close()  # only the worker holds its end now, so its death shows up as EOF here
     return _Worker(proc, parent_conn)
 
@@ -86,16 +95,16 @@ def _stop(workers: list[_Worker]) -> None:
 class GradingPool:
     """Grades batches in `num_workers` spawned processes, started on first use and reused.
 
-    An item that runs past `timeout` seconds, or whose worker dies, scores 0.0 and the worker is replaced.
-    `num_workers=0` grades serially in-process, without the timeout. `stats` counts items ("graded", which
-    includes the failed ones), "timeouts" and "crashes" since creation; `pop_stats()` gives the counts since
-    its previous call. `grade` may be called from any thread.
+    An item that runs past `timeout` seconds, or whose worker dies, scores 0.0 and the worker is replaced; an item
+    whose grader raises scores 0.0. `num_workers=0` grades serially in-process, without the timeout. `stats`
+    counts items ("graded", which includes the failed ones), "timeouts", "crashes" and "errors" (raised) since
+    creation; `pop_stats()` gives the counts since its previous call. `grade` may be called from any thread.
     """
 
     def __init__(self, num_workers: int = 2, timeout: float = 5.0):
         self.num_workers = num_workers
         self.timeout = timeout
-        self.stats = {"graded": 0, "timeouts": 0, "crashes": 0}
+        self.stats = {"graded": 0, "timeouts": 0, "crashes": 0, "errors": 0}
         self._popped = dict(self.stats)
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
@@ -107,11 +116,12 @@ class GradingPool:
             raise ValueError(f"{len(completions)} completions but {len(golds)} golds")
         with self._lock:
             if self.num_workers == 0:
-                scores = [_call(grader, c, g, grader_kwargs) for c, g in zip(completions, golds)]
+                results = [_call(grader, c, g, grader_kwargs) for c, g in zip(completions, golds)]
             else:
-                scores = self._grade_in_workers(grader, completions, golds, grader_kwargs)
-            self.stats["graded"] += len(scores)
-        return scores
+                results = self._grade_in_workers(grader, completions, golds, grader_kwargs)
+            self.stats["graded"] += len(results)
+            self.stats["errors"] += sum(raised for _, raised in results)
+        return [score for score, _ in results]
 
     def pop_stats(self) -> dict[str, int]:
         """The `stats` counts since the previous pop_stats call."""
@@ -151,10 +161,10 @@ class GradingPool:
         return new
 
     def _grade_in_workers(self, grader: Grader, completions: list[str], golds: list[str],
-                          kwargs: dict[str, Any]) -> list[float]:
+                          kwargs: dict[str, Any]) -> list[tuple[float, bool]]:
         if not self._workers:
             self._start()
-        scores = [0.0] * len(completions)
+        scores = [(0.0, False)] * len(completions)
         todo = deque(range(len(completions)))
         # Each worker holds up to _PIPELINE items, so it starts the next one without waiting for a round trip to
         # this process. Only the item it is working on (the head of its queue) has a deadline.

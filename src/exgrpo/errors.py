@@ -1,0 +1,17 @@
+"""The errors exgrpo raises for things a user can fix; the CLI prints their message as one line (exit code 2)."""
+
+
+class ExgrpoError(Exception):
+    """Base of the user-facing errors."""
+
+
+class RunDirectoryError(ExgrpoError):
+    """A run directory that is in use, already holds another run, or cannot be written."""
+
+
+class CheckpointError(ExgrpoError):
+    """A checkpoint that is missing, incomplete or corrupt."""
+
+
+class TrainingError(ExgrpoError):
+    """Training cannot continue meaningfully (non-finite values, no rewards, too many skipped updates)."""

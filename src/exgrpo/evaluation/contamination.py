@@ -1,0 +1,76 @@
+"""Benchmark test questions must not be trained on or used to select checkpoints (spec §9.16): find them by
+content, not by file name.
+
+`benchmark_questions.txt` (shipped with the package) lists a 64-bit SHA-256 prefix of every distinct user message
+of the paper's benchmark files with the benchmark it belongs to; the texts themselves are not shipped. A question
+matches when one of its user messages, whitespace-collapsed and lower-cased, hashes to a listed fingerprint.
+Regenerate the list with `python -m exgrpo.evaluation.contamination DIR` (DIR: the benchmark parquet files).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from exgrpo.data import DataError, Question
+
+FINGERPRINTS = Path(__file__).with_name("benchmark_questions.txt")
+
+
+def fingerprint(text: str) -> str:
+    return hashlib.sha256(" ".join(text.split()).lower().encode()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=1)
+def _known() -> dict[str, str]:
+    lines = FINGERPRINTS.read_text().split("\n")
+    return dict(line.split(" ", 1) for line in lines if line and not line.startswith("#"))
+
+
+def benchmark_of(question: Question) -> str | None:
+    """The benchmark a question's text comes from, or None."""
+    known = _known()
+    for m in question.messages:
+        if m["role"] == "user":
+            hit = known.get(fingerprint(m["content"]))
+            if hit:
+                return hit
+    return None
+
+
+def screen_benchmark_questions(questions: Sequence[Question], policy: str, where: str) -> list[Question]:
+    """Apply `data.benchmark_overlap` to a question set named `where`: "refuse" raises a DataError listing the
+    first matches, "drop" returns the others, "allow" returns all of them."""
+    if policy == "allow":
+        return list(questions)
+    hits = [(q, b) for q in questions if (b := benchmark_of(q)) is not None]
+    if not hits:
+        return list(questions)
+    if policy == "drop":
+        dropped = {id(q) for q, _ in hits}
+        return [q for q in questions if id(q) not in dropped]
+    examples = ", ".join(f"{q.id} ({b})" for q, b in hits[:3])
+    raise DataError(f"{where}: {len(hits)} of {len(questions)} questions are benchmark test questions, e.g. "
+                    f"{examples}; use a disjoint set, or set data.benchmark_overlap to drop (skip them) or allow "
+                    "(a deliberate contamination study)")
+
+
+def write_fingerprints(data_dir: str | Path) -> str:
+    """The text of benchmark_questions.txt for the benchmark files in `data_dir`."""
+    from exgrpo.evaluation.benchmarks import BENCHMARKS, load_benchmarks
+
+    lines = {}
+    for bench in load_benchmarks(list(BENCHMARKS.values()), data_dir):
+        for q in bench.questions:
+            for m in q.messages:
+                if m["role"] == "user":
+                    lines.setdefault(fingerprint(m["content"]), bench.benchmark.name)
+    header = "# sha256(whitespace-collapsed, lower-cased user message)[:16] benchmark; see contamination.py\n"
+    return header + "".join(f"{h} {b}\n" for h, b in sorted(lines.items()))
+
+
+if __name__ == "__main__":
+    sys.stdout.write(write_fingerprints(sys.argv[1]))

@@ -1,0 +1,79 @@
+"""Reward health: what the rewards of each step say about the reward functions, said out loud.
+
+An error where training cannot be meaningful (a non-finite reward; no reward function gave any reward), a warning
+(`RewardWarning`) naming the function otherwise: values outside the declared range, a function with no opinion on a
+whole step, a success threshold never or always reached over the first steps, grading timeouts and crashes.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from exgrpo.errors import TrainingError
+
+PROBE_STEPS = 5  # the first steps over which "never / always correct" is judged
+
+
+class RewardWarning(UserWarning):
+    """A reward function behaves in a way that probably makes the run mean something other than intended."""
+
+
+class RewardHealth:
+    def __init__(self, min_value: float, max_value: float, success_threshold: float):
+        self.min_value, self.max_value, self.threshold = min_value, max_value, success_threshold
+        self._warned: set[tuple[str, str]] = set()
+        self._seen = 0
+        self._low, self._high = np.inf, -np.inf  # of the total reward over the probe steps
+
+    def _warn_once(self, kind: str, name: str, message: str) -> None:
+        if (kind, name) not in self._warned:
+            self._warned.add((kind, name))
+            warnings.warn(RewardWarning(message), stacklevel=3)
+
+    def check(self, step: int, per_function: dict[str, np.ndarray], total: np.ndarray,
+              grading: dict[str, int]) -> None:
+        """The rewards of training step `step` (1-based): each function's values (NaN where it returned None)
+        and the weighted total; `grading` counts the items that timed out, crashed or raised."""
+        for name, values in per_function.items():
+            if np.isinf(values).any():
+                raise TrainingError(f"step {step}: reward function {name!r} returned a non-finite reward "
+                                    f"({values[np.isinf(values)].flat[0]}); rewards must be finite numbers")
+            present = values[~np.isnan(values)]
+            if present.size == 0:
+                self._warn_once("missing", name, f"step {step}: reward function {name!r} returned None/NaN for every "
+                                                 "completion (it has no opinion on any of them)")
+            outside = present[(present < self.min_value) | (present > self.max_value)]
+            if outside.size:
+                self._warn_once("range", name, f"step {step}: reward function {name!r} returned {outside[0]:g}, "
+                                               f"outside reward.min_value..max_value = [{self.min_value:g}, "
+                                               f"{self.max_value:g}]; set them to the function's range")
+        if per_function and all(np.isnan(v).all() for v in per_function.values()):
+            raise TrainingError(f"step {step}: no reward function gave a reward for any completion "
+                                f"({', '.join(map(repr, per_function))} returned only None/NaN)")
+        failed = {k: v for k, v in grading.items() if k in ("timeouts", "crashes", "errors") and v}
+        if failed:
+            counts = ", ".join(f"{v} {k}" for k, v in failed.items())
+            warnings.warn(RewardWarning(f"step {step}: grading failed for some completions ({counts}); they scored "
+                                        "0 (raise reward.timeout if correct answers are being timed out)"),
+                          stacklevel=2)
+        self._probe(step, per_function, total)
+
+    def _probe(self, step: int, per_function: dict[str, np.ndarray], total: np.ndarray) -> None:
+        if self._seen >= PROBE_STEPS:
+            return
+        self._seen += 1
+        self._low, self._high = min(self._low, float(total.min())), max(self._high, float(total.max()))
+        if self._seen < PROBE_STEPS:
+            return
+        names = ", ".join(map(repr, per_function))
+        if self._high < self.threshold:
+            self._warn_once("never", "", f"no rollout of the first {PROBE_STEPS} steps reached reward."
+                                         f"success_threshold {self.threshold:g} (highest total reward {self._high:g}, "
+                                         f"from {names}): nothing counts as correct, so the run cannot leave the "
+                                         "warm-up phase or retire questions")
+        elif self._low >= self.threshold:
+            self._warn_once("always", "", f"every rollout of the first {PROBE_STEPS} steps reached reward."
+                                          f"success_threshold {self.threshold:g} (lowest total reward {self._low:g}, "
+                                          f"from {names}): every group is K/K and retires its question")
