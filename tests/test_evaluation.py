@@ -282,3 +282,32 @@ def test_eval_cli_end_to_end_with_two_models(tmp_path):
     assert [m["model"] for m in run["models"]] == ["tiny", "tiny:1"] and run["protocol"]["temperature"] == 0.6
     results = (out / "results.md").read_text()
     assert "exgrpo eval --model tiny" in results and table[0] in results
+
+
+# --- benchmark questions in training or held-out data ------------------------------------------------------------
+
+
+@needs_bench
+def test_shipped_benchmark_fingerprints_match_the_benchmark_files():
+    from exgrpo.evaluation.contamination import FINGERPRINTS, write_fingerprints
+
+    assert FINGERPRINTS.read_text() == write_fingerprints(BENCH)
+
+
+@needs_bench
+def test_benchmark_questions_are_found_by_content():
+    from exgrpo.data import DataError, load_questions
+    from exgrpo.evaluation.contamination import benchmark_of, screen_benchmark_questions
+
+    suffix = " Answer with only the final number."
+    valid = load_questions(str(BENCH / "valid.parquet"), prompt_suffix=suffix)  # valid.parquet = the test questions
+    assert {benchmark_of(q, suffix) for q in valid} == {"aime24", "aime25", "amc", "math500", "minerva", "olympiad"}
+    assert benchmark_of(valid[0]) is None  # the suffix must be known to see through it
+    user = next(m for m in valid[0].messages if m["role"] == "user")
+    retyped = Question("mine/1", ({"role": "user", "content": "  " + user["content"].upper()[:-len(suffix)]},), "1", {})
+    clean = Question("mine/2", ({"role": "user", "content": "What is 2 + 2?"},), "4", {})
+    assert benchmark_of(retyped) == benchmark_of(valid[0], suffix)  # case and whitespace do not hide it
+    with pytest.raises(DataError, match="held-out: 1 of 2 questions are benchmark test questions, e.g. mine/1"):
+        screen_benchmark_questions([retyped, clean], "refuse", "held-out")
+    assert screen_benchmark_questions([retyped, clean], "drop", "x") == [clean]
+    assert screen_benchmark_questions([retyped, clean], "allow", "x") == [retyped, clean]

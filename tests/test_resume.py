@@ -103,3 +103,34 @@ def test_resume_without_checkpoint_is_an_error(tmp_path):
     result = subprocess.run([sys.executable, "-m", "exgrpo", "train", "--resume", str(tmp_path)],
                             capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=120)
     assert result.returncode == 2 and "no run there" in result.stderr
+
+
+@pytest.mark.slow
+def test_kills_at_random_moments_lose_nothing(tmp_path):
+    """SIGKILL at random moments after steps 1..7 (inside checkpoint writes and pruning too: every step saves and
+    prunes); resuming each time ends identical to an uninterrupted run, with no scratch directories left."""
+    import random
+
+    from exgrpo.checkpoint import verify_checkpoint
+
+    reference = tmp_path / "reference"
+    proc = _train(reference, "train.save_total_limit=2")
+    assert proc.wait(timeout=300) == 0, proc.stderr.read()[-3000:]
+    expected = _comparable(_metrics(reference))
+
+    run, rng = tmp_path / "killed", random.Random(7)
+    proc = _train(run, "train.save_total_limit=2")
+    for kill_at in (1, 2, 4, 5, 7):
+        deadline = time.time() + 240
+        while len(_metrics(run)) < kill_at:
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-2000:]
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 0.4))  # somewhere in the checkpoint write, the pruning or the next step
+        proc.kill()
+        proc.wait()
+        proc = _train(run, "train.save_total_limit=2", resume=True)
+    assert proc.wait(timeout=300) == 0, proc.stderr.read()[-3000:]
+    assert _comparable(_metrics(run)) == expected
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert names == ["step-000007", "step-000008"]  # no .tmp-/.deleting- leftovers
+    assert all(verify_checkpoint(run / "checkpoints" / n) is None for n in names)

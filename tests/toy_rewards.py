@@ -1,5 +1,47 @@
-"""A reward a random tiny model earns about a quarter of the time, for end-to-end runs through the CLI."""
+"""Reward functions for end-to-end runs through the CLI (`reward.function=toy_rewards:<name>`)."""
+
+import math
+import time
 
 
 def first_char_is_lowercase(prompts, completions, completion_ids, **columns):
+    """A reward a random tiny model earns about a quarter of the time."""
     return [1.0 if c[:1].islower() else 0.0 for c in completions]
+
+
+def all_but_answer_15(prompts, completions, completion_ids, answer, **columns):
+    """Every question is solved at once, except the one whose answer is 15: it never retires."""
+    return [0.0 if a == "15" else 1.0 for a in answer]
+
+
+def infinite(prompts, completions, completion_ids, **columns):
+    return [math.inf for _ in completions]
+
+
+def no_opinion(prompts, completions, completion_ids, **columns):
+    return [None for _ in completions]
+
+
+def wrong_is_worth_two(prompts, completions, completion_ids, **columns):
+    """Another scale: 2 for a wrong answer, 3 for a right one, so everything clears a threshold of 1."""
+    return [3.0 if c[:1].islower() else 2.0 for c in completions]
+
+
+def at_most_half(prompts, completions, completion_ids, **columns):
+    return [0.5 if c[:1].islower() else 0.0 for c in completions]
+
+
+def slow_lowercase(prompts, completions, completion_ids, **columns):
+    time.sleep(0.5)
+    return first_char_is_lowercase(prompts, completions, completion_ids)
+
+
+def hangs_once(prompts, completions, completion_ids, **columns):
+    """The first call ever (marked by the file $TOY_MARKER) hangs for a minute; later calls are instant."""
+    import os
+
+    marker = os.environ["TOY_MARKER"]
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        time.sleep(60)
+    return first_char_is_lowercase(prompts, completions, completion_ids)

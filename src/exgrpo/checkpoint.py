@@ -110,10 +110,10 @@ def save_checkpoint(run_dir: str | Path, step: int, model, state: dict, keep: in
         os.replace(tmp, final)
         for old in checkpoint_dirs(run_dir)[:-keep]:
             _delete(old)
-    except OSError as e:
+    except Exception as e:  # OSError, or a writer's own wrapper of one (safetensors, torch.save)
         shutil.rmtree(tmp, ignore_errors=True)
-        raise RunDirectoryError(f"cannot write checkpoint {final}: {e.strerror or e}"
-                                + (f" ({e.filename})" if getattr(e, "filename", None) else "")) from None
+        cause = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise RunDirectoryError(f"cannot write checkpoint {final}: {cause}") from e
     return final
 
 

@@ -362,7 +362,7 @@ def _rules(cfg: ExGRPOConfig):
         (f"train.prompts_per_step ({B}) must be divisible by train.mini_batches ({t.mini_batches}): each "
          "mini-batch holds whole groups")
     yield at_least("train.micro_batch_size", t.micro_batch_size, 1)
-    yield positive("train.learning_rate", t.learning_rate)
+    yield 0 < t.learning_rate <= 1, f"train.learning_rate must be in (0, 1] for AdamW (got {t.learning_rate})"
     yield at_least("train.weight_decay", t.weight_decay, 0)
     yield 0 <= t.adam_beta1 < 1, f"train.adam_beta1 must be in [0, 1) (got {t.adam_beta1})"
     yield 0 <= t.adam_beta2 < 1, f"train.adam_beta2 must be in [0, 1) (got {t.adam_beta2})"

@@ -54,11 +54,13 @@ def build_run(config: ExGRPOConfig) -> Run:
         torch.set_num_threads(c.train.threads)
     questions = load_questions(c.data.train, split=c.data.split, limit=c.data.limit, skip_invalid=c.data.skip_invalid,
                                prompt_suffix=c.data.prompt_suffix)
-    questions = screen_benchmark_questions(questions, c.data.benchmark_overlap, f"data.train {c.data.train}")
+    questions = screen_benchmark_questions(questions, c.data.benchmark_overlap, f"data.train {c.data.train}",
+                                           c.data.prompt_suffix)
     train, holdout = split_holdout(questions, c.data.holdout, c.train.seed) if c.data.holdout else (list(questions), [])
     if c.data.eval:
         holdout = load_questions(c.data.eval, skip_invalid=c.data.skip_invalid, prompt_suffix=c.data.prompt_suffix)
-        holdout = screen_benchmark_questions(holdout, c.data.benchmark_overlap, f"data.eval {c.data.eval}")
+        holdout = screen_benchmark_questions(holdout, c.data.benchmark_overlap, f"data.eval {c.data.eval}",
+                                             c.data.prompt_suffix)
     lora = LoraSettings(c.model.lora.r, c.model.lora.alpha, c.model.lora.dropout, c.model.lora.target_modules) \
         if c.model.lora else None
     model, tokenizer = load_policy(c.model.name, dtype=c.model.dtype, lora=lora)

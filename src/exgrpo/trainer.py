@@ -92,8 +92,10 @@ class ExGRPOTrainer:
         self.reward_weights = list(reward_weights) if reward_weights is not None else [1.0] * len(self.reward_funcs)
         c = config
         overlap = c.data.benchmark_overlap
-        train_dataset = screen_benchmark_questions(train_dataset, overlap, "training questions")
-        self.eval_dataset = screen_benchmark_questions(eval_dataset or [], overlap, "held-out questions")
+        train_dataset = screen_benchmark_questions(train_dataset, overlap, "training questions",
+                                                   c.data.prompt_suffix)
+        self.eval_dataset = screen_benchmark_questions(eval_dataset or [], overlap, "held-out questions",
+                                                       c.data.prompt_suffix)
         self.last_evaluation: Accuracy | None = None  # the latest periodic evaluation
         self.grading_pool = grading_pool
         self.reward_health = RewardHealth(c.reward.min_value, c.reward.max_value, c.reward.success_threshold)

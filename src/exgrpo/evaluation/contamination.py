@@ -3,7 +3,9 @@ content, not by file name.
 
 `benchmark_questions.txt` (shipped with the package) lists a 64-bit SHA-256 prefix of every distinct user message
 of the paper's benchmark files with the benchmark it belongs to; the texts themselves are not shipped. A question
-matches when one of its user messages, whitespace-collapsed and lower-cased, hashes to a listed fingerprint.
+matches when one of its user messages (without `data.prompt_suffix`), whitespace-collapsed and lower-cased, hashes
+to a listed fingerprint. A benchmark question embedded in a longer message (another template around it) is not
+found.
 Regenerate the list with `python -m exgrpo.evaluation.contamination DIR` (DIR: the benchmark parquet files).
 """
 
@@ -30,23 +32,26 @@ def _known() -> dict[str, str]:
     return dict(line.split(" ", 1) for line in lines if line and not line.startswith("#"))
 
 
-def benchmark_of(question: Question) -> str | None:
-    """The benchmark a question's text comes from, or None."""
+def benchmark_of(question: Question, suffix: str = "") -> str | None:
+    """The benchmark a question's text comes from, or None; `suffix` was appended to its last user message."""
     known = _known()
     for m in question.messages:
         if m["role"] == "user":
-            hit = known.get(fingerprint(m["content"]))
-            if hit:
-                return hit
+            text = m["content"]
+            for candidate in (text, text[: -len(suffix)] if suffix and text.endswith(suffix) else None):
+                hit = candidate is not None and known.get(fingerprint(candidate))
+                if hit:
+                    return hit
     return None
 
 
-def screen_benchmark_questions(questions: Sequence[Question], policy: str, where: str) -> list[Question]:
-    """Apply `data.benchmark_overlap` to a question set named `where`: "refuse" raises a DataError listing the
-    first matches, "drop" returns the others, "allow" returns all of them."""
+def screen_benchmark_questions(questions: Sequence[Question], policy: str, where: str,
+                               suffix: str = "") -> list[Question]:
+    """Apply `data.benchmark_overlap` to a question set named `where` (loaded with prompt suffix `suffix`):
+    "refuse" raises a DataError listing the first matches, "drop" returns the others, "allow" returns all."""
     if policy == "allow":
         return list(questions)
-    hits = [(q, b) for q in questions if (b := benchmark_of(q)) is not None]
+    hits = [(q, b) for q in questions if (b := benchmark_of(q, suffix)) is not None]
     if not hits:
         return list(questions)
     if policy == "drop":

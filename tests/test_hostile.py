@@ -1,0 +1,235 @@
+"""Hostile use of real runs (tiny model, the CLI in a subprocess): one row per case, the expected outcome beside it.
+
+Each case function gets a fresh directory and returns the finished process (or asserts more on its own); the
+table below pairs it with the exit code and a message that must appear on stderr.
+"""
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT.parent / "shared" / "data" / "benchmarks"
+ENV = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "HF_HUB_OFFLINE": "1"}
+BASE = ["--config", str(ROOT / "configs" / "tiny.yaml"), "logging.progress=false", "reward.workers=0",
+        "reward.function=toy_rewards:first_char_is_lowercase", "train.steps=2", "train.save_every=1",
+        "train.save_total_limit=3", "train.threads=1"]
+
+
+def start(run_dir, *args, preexec_fn=None, env=None):
+    return subprocess.Popen([sys.executable, "-m", "exgrpo", "train", *BASE, f"logging.output_dir={run_dir}", *args],
+                            cwd=ROOT, env={**ENV, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=preexec_fn, start_new_session=True)
+
+
+def train(run_dir, *args, preexec_fn=None, env=None) -> subprocess.CompletedProcess:
+    proc = start(run_dir, *args, preexec_fn=preexec_fn, env=env)
+    _, stderr = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr)
+
+
+def steps(run_dir) -> list[int]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def last_metrics(run_dir) -> dict:
+    return json.loads((Path(run_dir) / "metrics.jsonl").read_text().splitlines()[-1])
+
+
+def checkpoints(run_dir) -> list[str]:
+    root = Path(run_dir) / "checkpoints"
+    return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+
+
+def wait_for_steps(run_dir, n, proc, timeout=240):
+    deadline = time.time() + timeout
+    while len(steps(run_dir)) < n:
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() is not None else ""
+        time.sleep(0.05)
+
+
+# --- the cases --------------------------------------------------------------------------------------------------
+
+
+def two_runs_in_one_directory(d):
+    first = start(d, "train.steps=400", "train.save_every=0")
+    try:
+        wait_for_steps(d, 1, first)
+        second = train(d)
+        assert first.poll() is None and steps(d) == list(range(1, len(steps(d)) + 1))  # the first run is untouched
+        return second
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+
+
+def new_run_in_a_used_directory(d):
+    assert train(d).returncode == 0
+    refused = train(d, "train.steps=3")
+    assert steps(d) == [1, 2] and checkpoints(d) == ["step-000001", "step-000002"]  # nothing was touched
+    overwritten = train(d, "train.steps=1", "--overwrite")
+    assert overwritten.returncode == 0 and steps(d) == [1] and checkpoints(d) == ["step-000001"]
+    return refused
+
+
+def corrupt_latest_checkpoint(d):
+    assert train(d, "train.steps=3").returncode == 0
+    weights = Path(d) / "checkpoints" / "step-000003" / "model" / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.seek(weights.stat().st_size // 2)
+        f.write(b"\0" * 4096)
+    resumed = train(d, "--resume", str(d), "train.steps=4")
+    assert "resumed from" in resumed.stderr and "step-000002" in resumed.stderr
+    assert steps(d) == [1, 2, 3, 4]  # step 3 re-run from step 2's checkpoint, logged once
+    return resumed
+
+
+def truncated_buffer_in_the_only_checkpoint(d):
+    assert train(d, "train.steps=1").returncode == 0
+    buffer = Path(d) / "checkpoints" / "step-000001" / "buffer.safetensors"
+    buffer.write_bytes(buffer.read_bytes()[:-100])
+    return train(d, "--resume", str(d), "train.steps=2")
+
+
+def resume_that_changes_the_algorithm(d):
+    assert train(d).returncode == 0
+    refused = train(d, "--resume", str(d), "rollout.num_generations=8")
+    assert json.loads((Path(d) / "config.json").read_text())["rollout"]["num_generations"] == 4  # not rewritten
+    extended = train(d, "--resume", str(d), "train.steps=3")
+    assert extended.returncode == 0 and "resuming with changed settings: train.steps: 2 -> 3" in extended.stderr
+    assert steps(d) == [1, 2, 3]
+    return refused
+
+
+def torn_last_metrics_line(d):
+    assert train(d).returncode == 0
+    with open(Path(d) / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "rew')
+    resumed = train(d, "--resume", "auto", "train.steps=3")
+    assert steps(d) == [1, 2, 3]
+    return resumed
+
+
+def killed_before_the_first_checkpoint(d):
+    proc = start(d, "train.steps=400", "train.save_every=0")
+    wait_for_steps(d, 2, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert checkpoints(d) == [] and len(steps(d)) >= 2
+    resumed = train(d, "--resume", "auto", "train.steps=2")
+    assert steps(d) == [1, 2]
+    return resumed
+
+
+def one_unretired_question_left(d):
+    done = train(d, "experience.ratio=0", "reward.function=toy_rewards:all_but_answer_15", "train.steps=6",
+                 "data.train=reasoning_gym:basic_arithmetic?size=12&seed=1&min_terms=2&max_terms=2&min_digits=1"
+                 "&max_digits=1&operators=+", "data.holdout=0")
+    assert last_metrics(d)["fresh_questions_remaining"] == 1 and steps(d) == list(range(1, 7))
+    return done
+
+
+def ctrl_c_while_grading(d):
+    proc = start(d, "reward.function=toy_rewards:slow_lowercase", "reward.workers=1", "reward.timeout=60",
+                 "train.steps=400", "train.save_every=0")
+    wait_for_steps(d, 1, proc)
+    time.sleep(0.5)  # into the next step's grading (0.5 s per completion)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground process group
+    _, stderr = proc.communicate(timeout=300)
+    m = last_metrics(d)
+    assert m["grading/crashes"] == 0 and m["grading/timeouts"] == 0  # the in-flight answers were graded
+    assert checkpoints(d) == [f"step-{m['step']:06d}"]
+    return subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr)
+
+
+def grading_timeouts(d):
+    done = train(d, "reward.function=toy_rewards:hangs_once", "reward.workers=1", "reward.timeout=2",
+                 "train.steps=1", env={"TOY_MARKER": str(d.parent / "marker")})
+    assert last_metrics(d)["grading/timeouts"] > 0
+    return done
+
+
+def disk_full_while_checkpointing(d):
+    assert train(d, "train.steps=1").returncode == 0
+    limit = 300_000  # bytes per file: the tiny model's weights (~380 kB) no longer fit
+
+    def small_disk():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    failed = train(d, "--resume", str(d), "train.steps=2", preexec_fn=small_disk)
+    assert checkpoints(d) == ["step-000001"]  # no partial step-2 checkpoint, step 1 intact
+    assert train(d, "--resume", str(d), "train.steps=2").returncode == 0 and steps(d) == [1, 2]
+    return failed
+
+
+def benchmark_questions_held_out(d):
+    return train(d, f"data.eval={BENCH / 'valid.parquet'}", "eval.every=1")
+
+
+def benchmark_questions_trained_on(d):
+    return train(d, f"data.train={BENCH / 'test.id.parquet'}", "data.holdout=0")
+
+
+CASES = {  # name: (case, exit code, message on stderr)
+    "second run in a busy run directory": (two_runs_in_one_directory, 2, "is in use by another run"),
+    "fresh run in a used run directory": (new_run_in_a_used_directory, 2, "already holds a run"),
+    "corrupt weights in the latest checkpoint": (corrupt_latest_checkpoint, 0,
+                                                 "skipping checkpoint step-000003: "),
+    "truncated buffer in the only checkpoint": (truncated_buffer_in_the_only_checkpoint, 2,
+                                                "no intact checkpoint to resume from"),
+    "resume that changes K": (resume_that_changes_the_algorithm, 2,
+                              "changes the algorithm: rollout.num_generations: 4 -> 8"),
+    "torn last line of metrics.jsonl": (torn_last_metrics_line, 0, "resumed from"),
+    "killed before the first checkpoint": (killed_before_the_first_checkpoint, 0,
+                                           "stopped before its first checkpoint; starting it again from step 0"),
+    "one unretired question left (GRPO)": (one_unretired_question_left, 0, ""),
+    "learning rate inf": (lambda d: train(d, "train.learning_rate=.inf"), 2,
+                          "train.learning_rate must be a finite number"),
+    "learning rate beyond float32": (lambda d: train(d, "train.learning_rate=1e39"), 2,
+                                     "train.learning_rate must be in (0, 1]"),
+    "reward returning inf": (lambda d: train(d, "reward.function=toy_rewards:infinite"), 2,
+                             "returned a non-finite reward"),
+    "reward returning only None": (lambda d: train(d, "reward.function=toy_rewards:no_opinion"), 2,
+                                   "no reward function gave a reward"),
+    "reward on another scale": (lambda d: train(d, "reward.function=toy_rewards:wrong_is_worth_two",
+                                                "train.steps=5"), 0, "outside reward.min_value..max_value"),
+    "reward on another scale retires everything": (
+        lambda d: train(d, "reward.function=toy_rewards:wrong_is_worth_two", "train.steps=5"), 0,
+        "every rollout of the first 5 steps reached reward.success_threshold"),
+    "reward that never reaches the threshold": (lambda d: train(d, "reward.function=toy_rewards:at_most_half",
+                                                                "train.steps=5"), 0,
+                                                "no rollout of the first 5 steps reached"),
+    "threshold above the declared range": (lambda d: train(d, "reward.success_threshold=2"), 2,
+                                           "reward.success_threshold (2.0) must lie in"),
+    "skipped updates beyond the budget": (lambda d: train(d, "train.skip_grad_norm=1e-12",
+                                                          "train.max_skipped_updates=1"), 2,
+                                          "more than train.max_skipped_updates 1"),
+    "grading timeouts": (grading_timeouts, 0, "grading failed for some completions (1 timeouts"),
+    "Ctrl-C while grading": (ctrl_c_while_grading, 0, "SIGINT: checkpointing at step"),
+    "unwritable output directory": (lambda d: train("/dev/null/run"), 2, "/dev/null/run: cannot write there"),
+    "disk full while checkpointing": (disk_full_while_checkpointing, 2, "cannot write checkpoint"),
+    "benchmark test questions as held-out data": (benchmark_questions_held_out, 2,
+                                                  "are benchmark test questions"),
+    "benchmark test questions as training data": (benchmark_questions_trained_on, 2,
+                                                  "are benchmark test questions"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_hostile(name, tmp_path):
+    case, code, message = CASES[name]
+    if "benchmark" in name and not BENCH.is_dir():
+        pytest.skip(f"benchmark files not found at {BENCH}")
+    result = case(tmp_path / "run")
+    assert result.returncode == code, result.stderr[-3000:]
+    assert message in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
