@@ -26,9 +26,9 @@ def _metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _run(cmd, run_dir):
+def _run(cmd, run_dir, *extra):
     result = subprocess.run(cmd + ["--config", str(ROOT / "configs" / "tiny.yaml"), *OVERRIDES,
-                                   f"logging.output_dir={run_dir}"],
+                                   f"logging.output_dir={run_dir}", *extra],
                             capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return _metrics(run_dir)
@@ -49,3 +49,55 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
         for key in CLOSE:
             if key in b:
                 assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+
+
+TORCHRUN = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2", "-m", "exgrpo",
+            "train"]
+ONE = [sys.executable, "-m", "exgrpo", "train"]
+
+
+def _assert_same_run(a_metrics, b_metrics):
+    assert len(a_metrics) == len(b_metrics) and a_metrics[-1]["experience/replayed"] > 0
+    for a, b in zip(a_metrics, b_metrics):
+        for key in EXACT:
+            assert a[key] == b[key], (a["step"], key)
+        for key in CLOSE:
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True], ids=["full fine-tuning", "LoRA"])
+def test_fsdp_on_two_ranks_matches_one_process(tmp_path, lora):
+    extra = ["model.lora.r=4"] if lora else []
+    two = _run(TORCHRUN, tmp_path / "fsdp", "train.sharding=fsdp", *extra)
+    one = _run(ONE, tmp_path / "single", *extra)
+    _assert_same_run(two, one)
+    assert all(m["replicas/count"] == 2.0 for m in two)  # the ranks' buffers were compared every step
+
+
+@pytest.mark.slow
+def test_fsdp_checkpoints_resume_on_another_number_of_ranks(tmp_path):
+    """A 2-rank FSDP checkpoint continues in one process and a one-process checkpoint on 2 FSDP ranks: both end
+    as the uninterrupted one-process run."""
+    lora = ["model.lora.r=4", "train.save_every=2"]
+    reference = _run(ONE, tmp_path / "reference", *lora)
+    fsdp = ["train.sharding=fsdp"]
+    for (first, first_extra), (then, then_extra), name in (((TORCHRUN, fsdp), (ONE, []), "fsdp-then-one"),
+                                                          ((ONE, []), (TORCHRUN, fsdp), "one-then-fsdp")):
+        run_dir = tmp_path / name
+        _run(first, run_dir, *lora, *first_extra, "train.steps=3")  # checkpoints at steps 2 and 3
+        resumed = _run(then, run_dir, *lora, *then_extra, "--resume", str(run_dir))
+        assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))
+        _assert_same_run(resumed, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_a_rank_without_groups_does_not_hang(tmp_path, sharding):
+    """12 questions solved at once except one: the last steps have one group for two ranks."""
+    data = ("data.train=reasoning_gym:basic_arithmetic?size=12&seed=1&min_terms=2&max_terms=2&min_digits=1"
+            "&max_digits=1&operators=+")
+    metrics = _run(TORCHRUN, tmp_path / "run", f"train.sharding={sharding}", "experience.ratio=0", data,
+                   "data.holdout=0", "reward.function=toy_rewards:all_but_answer_15")
+    assert len(metrics) == STEPS and [m["fresh_questions_remaining"] for m in metrics][-2:] == [1, 1]

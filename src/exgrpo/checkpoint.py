@@ -22,13 +22,15 @@ import random
 import shutil
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 
 from exgrpo.atomic import fsync_tree
-from exgrpo.errors import CheckpointError, RunDirectoryError
+from exgrpo.errors import CheckpointError, ExgrpoWarning, RunDirectoryError
 from exgrpo.experience.buffer import read_state, write_state
+from exgrpo.sharding import is_sharded, load_full_model_state
 
 _PREFIX = "step-"
 _MANIFEST = "manifest.json"
@@ -79,14 +81,16 @@ def latest_intact_checkpoint(run_dir: str | Path) -> Path | None:
         problem = verify_checkpoint(checkpoint)
         if problem is None:
             return checkpoint
-        warnings.warn(f"skipping checkpoint {checkpoint.name}: {problem}", stacklevel=2)
+        warnings.warn(ExgrpoWarning(f"skipping checkpoint {checkpoint.name}: {problem}"), stacklevel=2)
     return None
 
 
-def save_checkpoint(run_dir: str | Path, step: int, model, state: dict, keep: int = 2) -> Path:
-    """Write `model` and a trainer `state` (`ExGRPOTrainer.state_dict()`) as the checkpoint of `step`; keep the
-    newest `keep` checkpoints. A failed write (full disk, no permission) is a RunDirectoryError naming the path;
-    the previous checkpoints are untouched by it."""
+def save_checkpoint(run_dir: str | Path, step: int, write_model: Callable[[Path], None], state: dict,
+                    keep: int = 2) -> Path:
+    """Write the model (`write_model(directory)`, e.g. `save_pretrained`) and a trainer `state`
+    (`ExGRPOTrainer.state_dict()`) as the checkpoint of `step`; keep the newest `keep` checkpoints. A failed
+    write (full disk, no permission) is a RunDirectoryError naming the path; the previous checkpoints are
+    untouched by it."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"{_PREFIX}{step:06d}"
     tmp = root / f"{_SCRATCH[0]}{final.name}-{os.getpid()}"
@@ -94,7 +98,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model, state: dict, keep: in
         root.mkdir(parents=True, exist_ok=True)
         _remove_scratch(root)  # left by a process killed while writing or pruning (the caller holds the run lock)
         tmp.mkdir()
-        model.save_pretrained(str(tmp / "model"))
+        write_model(tmp / "model")
         torch.save({**state["optimizer"], "torch_rng": torch.get_rng_state()}, tmp / "optimizer.pt")
         write_state(state["buffer"], tmp / "buffer.safetensors")
         np_state = np.random.get_state()
@@ -166,6 +170,9 @@ def _load_weights(model, directory: Path) -> None:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{directory}: no safetensors weights in the checkpoint")
+    if is_sharded(model):
+        load_full_model_state(model, _named_like(model, {k: v for f in files for k, v in load_file(str(f)).items()}))
+        return
     if (directory / "adapter_config.json").is_file():  # a peft adapter
         from peft import set_peft_model_state_dict
 
@@ -179,6 +186,18 @@ def _load_weights(model, directory: Path) -> None:
     if unexpected or set(missing) - tied:
         raise ValueError(f"{directory}: checkpoint weights do not fit the model (missing {sorted(missing)[:5]}, "
                          f"unexpected {sorted(unexpected)[:5]})")
+
+
+def _named_like(model, saved: dict) -> dict:
+    """Saved tensors keyed as `model.state_dict()`: a peft adapter file drops the adapter name (".default")."""
+    names = {}
+    for name in model.state_dict():
+        names[name] = name
+        names.setdefault(name.replace(".default.", "."), name)
+    unknown = sorted(set(saved) - set(names))
+    if unknown:
+        raise CheckpointError(f"checkpoint weights do not fit the model (unexpected {unknown[:5]})")
+    return {names[k]: v for k, v in saved.items()}
 
 
 def _jsonable(value):

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from exgrpo.config import ConfigError, load_config
-from exgrpo.errors import ExgrpoError
+from exgrpo.errors import ExgrpoError, ExgrpoWarning
 from exgrpo.evaluation.run import add_eval_parser, eval_command
 
 
@@ -178,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.samples is not None and args.samples < 1 or args.limit is not None and args.limit < 1:
             parser.error("--samples and --limit must be positive")
         return eval_command(args, sys.argv[1:] if argv is None else argv)
-    warnings.formatwarning = lambda message, category, *_: f"exgrpo: warning: {message}\n"
+    library_format = warnings.formatwarning
+    warnings.formatwarning = lambda message, category, *rest: f"exgrpo: warning: {message}\n" \
+        if issubclass(category, ExgrpoWarning) else library_format(message, category, *rest)
     try:
         if args.command == "experiment":
             if overrides:

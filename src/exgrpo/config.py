@@ -67,6 +67,9 @@ class DataConfig:
     """Appended to every rendered prompt unless the chat template already ends with it (released: "<think>\\n")."""
     skip_invalid: bool = False
     """Skip (and count) dataset rows with a missing or ill-typed field instead of failing on the first one."""
+    max_prompt_length: int | None = None
+    """Drop (and count) questions whose rendered prompt has more tokens than this (released: 1024); null keeps
+    all."""
     benchmark_overlap: Literal["refuse", "drop", "allow"] = "refuse"
     """Training or held-out questions whose text is a benchmark test question (by content): refuse the data, drop
     them (and count them), or allow them (a deliberate contamination study)."""
@@ -133,6 +136,11 @@ class ObjectiveConfig:
     """Constant of sum_constant aggregation; null means max_completion_length (released)."""
     entropy_coef: float = 0.001
     """Weight of the entropy bonus: minus this times the token-mean entropy of each mini-batch."""
+    loss_scale: Literal["global", "per_rank"] = "global"
+    """global: the update equals one process's over the whole mini-batch, whatever the number of ranks.
+    per_rank: the released code's scale (spec §4.3): each rank's loss over its own share, gradients averaged
+    over ranks (so sum_constant's normalizer is effectively times the ranks), the entropy bonus over each
+    micro-batch and summed."""
 
 
 @dataclass
@@ -176,7 +184,22 @@ class TrainConfig:
     mini_batches: int = 2
     """Optimizer steps per training step (released: 2 mini-batches of 64 questions)."""
     micro_batch_size: int = 64
-    """Sequences per forward/backward; gradients accumulate over a mini-batch."""
+    """Sequences per forward/backward (at most); gradients accumulate over a mini-batch."""
+    max_tokens_per_micro_batch: int | None = None
+    """Also cap each micro-batch at this many padded tokens (rows x (prompt + completion) width), packing rows by
+    length (like verl's dynamic batch size: 32768 per GPU in the released run); null caps rows only."""
+    logprob_chunk_tokens: int | None = None
+    """Compute the output head, log-softmax and entropy this many completion tokens at a time (recomputed in
+    backward), so (tokens x vocabulary) logits never exist at once; null computes them in one go."""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """Compute precision: bf16 runs forward and backward in bfloat16 over fp32 master weights and optimizer
+    state (log-probs, ratios and the loss stay fp32); needs model.dtype float32."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward (transformers' gradient checkpointing) instead of
+    storing them."""
+    sharding: Literal["ddp", "fsdp"] = "ddp"
+    """Data parallelism: ddp replicates the model on every rank; fsdp shards parameters, gradients and optimizer
+    state with FSDP2 (per decoder layer). One process: no effect."""
     learning_rate: float = 1e-6
     """AdamW learning rate (peak, for schedules with warm-up or decay)."""
     weight_decay: float = 0.01
@@ -362,6 +385,11 @@ def _rules(cfg: ExGRPOConfig):
         (f"train.prompts_per_step ({B}) must be divisible by train.mini_batches ({t.mini_batches}): each "
          "mini-batch holds whole groups")
     yield at_least("train.micro_batch_size", t.micro_batch_size, 1)
+    yield optional_at_least("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch, 1)
+    yield optional_at_least("train.logprob_chunk_tokens", t.logprob_chunk_tokens, 1)
+    yield t.dtype == "fp32" or m.dtype == "float32", \
+        f"train.dtype bf16 keeps fp32 master weights: it needs model.dtype float32 (got {m.dtype!r})"
+    yield optional_at_least("data.max_prompt_length", d.max_prompt_length, 1)
     yield 0 < t.learning_rate <= 1, f"train.learning_rate must be in (0, 1] for AdamW (got {t.learning_rate})"
     yield at_least("train.weight_decay", t.weight_decay, 0)
     yield 0 <= t.adam_beta1 < 1, f"train.adam_beta1 must be in [0, 1) (got {t.adam_beta1})"
@@ -384,9 +412,11 @@ def _rules(cfg: ExGRPOConfig):
     yield at_least("logging.sample_every", lg.sample_every, 0)
 
 
-# Changing these on resume leaves the algorithm as it was: length, bookkeeping, memory and speed knobs.
+# Changing these on resume leaves the algorithm as it was: length, bookkeeping, memory, speed and sharding.
 RESUMABLE_CHANGES = ("train.steps", "train.save_every", "train.save_total_limit", "train.threads",
                      "train.check_replicas", "train.max_skipped_updates", "train.micro_batch_size",
+                     "train.max_tokens_per_micro_batch", "train.logprob_chunk_tokens", "train.activation_checkpointing",
+                     "train.sharding",
                      "rollout.generation_batch_size", "experience.selection_batch_size", "reward.workers",
                      "reward.timeout", "eval.", "logging.")
 

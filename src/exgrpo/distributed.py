@@ -1,4 +1,4 @@
-"""Data parallelism over torch.distributed (launched by `accelerate launch` or `torchrun`).
+"""Data parallelism over torch.distributed (launched by `torchrun` or `accelerate launch`).
 
 Every rank holds the same experience buffer: batch building is deterministic given (seed, step), rollouts and
 rewards are computed for a rank's shard of the groups and then gathered, so every rank applies the same buffer
@@ -67,9 +67,6 @@ def launched_rank() -> int:
 
 def init_distributed() -> Distributed:
     """Join the process group described by the launcher's environment (single process when absent)."""
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
-        raise RuntimeError("exgrpo trains data-parallel with DDP; FSDP is not supported yet "
-                           "(use an accelerate config with distributed_type: MULTI_GPU or MULTI_CPU)")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return Distributed()

@@ -15,3 +15,7 @@ class CheckpointError(ExgrpoError):
 
 class TrainingError(ExgrpoError):
     """Training cannot continue meaningfully (non-finite values, no rewards, too many skipped updates)."""
+
+
+class ExgrpoWarning(UserWarning):
+    """Something the user should know about a run (the CLI prints it as `exgrpo: warning: ...`)."""

@@ -25,6 +25,7 @@ from typing import Callable
 
 from exgrpo.atomic import write_text_atomic
 from exgrpo.config import ConfigError, ExGRPOConfig, load_config, read_yaml
+from exgrpo.rundir import unlock_run_directory
 
 _STUDY_KEYS = {"base", "output_dir", "seeds", "overrides", "baseline", "arms"}
 _ARM_KEYS = {"label", "overrides", "seeds"}
@@ -158,6 +159,7 @@ def run_study(study: Study, arms: list[str] | None = None, seeds: list[int] | No
                 run.trainer.train()
             finally:
                 run.close()
+                unlock_run_directory(config.logging.output_dir)  # taken by start_point
 
 
 @dataclass

@@ -119,9 +119,16 @@ def load_policy(
 
 def save_policy(model: Any, tokenizer: Any, directory: str | os.PathLike) -> None:
     """``save_pretrained`` the model (for a PEFT model: its adapter only) and the tokenizer into ``directory``."""
+    save_model(model, directory)
+    tokenizer.save_pretrained(str(directory))
+
+
+def save_model(model: Any, directory: str | os.PathLike, state_dict: dict | None = None) -> None:
+    """``save_pretrained`` the model (for a PEFT model: its adapter only), from ``state_dict`` when given (e.g.
+    the full weights gathered from a sharded model)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {} if state_dict is None else {"state_dict": state_dict}
     peft_config = getattr(model, "peft_config", None)
     if isinstance(peft_config, dict) and peft_config:
         base = str(getattr(next(iter(peft_config.values())), "base_model_name_or_path", "") or "").lower()
@@ -132,7 +139,6 @@ def save_policy(model: Any, tokenizer: Any, directory: str | os.PathLike) -> Non
                 p.requires_grad and ("embed_tokens" in n or "lm_head" in n) for n, p in model.named_parameters()
             )
     model.save_pretrained(str(directory), **kwargs)
-    tokenizer.save_pretrained(str(directory))
 
 
 def apply_lora(model: Any, settings: LoraSettings) -> Any:
@@ -480,5 +486,6 @@ __all__ = [
     "default_cache_dir",
     "find_smollm2_gguf",
     "load_policy",
+    "save_model",
     "save_policy",
 ]

@@ -57,6 +57,7 @@ class LossSettings:
     aggregation: str = "sum_constant"
     normalizer: float = 8192.0  # the constant of "sum_constant" (released: max completion length)
     entropy_coef: float = 0.001
+    entropy_per_micro_batch: bool = False  # the bonus over each micro-batch's own tokens, summed (released)
 
 
 def token_losses(
@@ -135,7 +136,8 @@ def mixed_policy_loss(
         replay_mask: (B, T) bool, True on replayed tokens (a subset of mask).
         entropy: (B, T) current-policy token entropies, for the bonus -entropy_coef * token-mean entropy.
         total_tokens / total_sequences: mini-batch totals when this is one micro-batch of it. The entropy
-            bonus is a token mean over the whole mini-batch (released: per micro-batch, summed; spec §4.3).
+            bonus is a token mean over the whole mini-batch, or with `entropy_per_micro_batch` over this
+            micro-batch's tokens (so micro-batch bonuses add up, as released: spec §4.3).
     Returns:
         (loss scalar with grad, stats of plain floats).
     """
@@ -144,7 +146,8 @@ def mixed_policy_loss(
     fresh_mask = mask * (~replay_mask).to(mask.dtype)
     losses, parts = token_losses(logp, old_logp, recorded_logp, advantages, replay_mask, settings)
     loss = aggregate(losses, mask, settings, total_tokens, total_sequences)
-    n_tokens = mask.sum() if total_tokens is None else torch.tensor(float(total_tokens))
+    whole = total_tokens is None or settings.entropy_per_micro_batch
+    n_tokens = mask.sum() if whole else torch.tensor(float(total_tokens))
     entropy_mean = None
     if entropy is not None and settings.entropy_coef:
         entropy_mean = (entropy * mask).sum() / n_tokens.clamp(min=1)

@@ -7,7 +7,7 @@ Shapes: N sequences; P the padded prompt width; T the padded completion width.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -77,54 +77,116 @@ def distinct_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def token_logprobs(model, batch: PackedBatch, temperature: float, rows: slice | torch.Tensor = slice(None),
-                   with_entropy: bool = False, device: torch.device | str = "cpu"
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   with_entropy: bool = False, device: torch.device | str = "cpu", chunk_tokens: int | None = None,
+                   prompt_sharing: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
     """(n, T) log-probs of the completion tokens of `rows` under `model` at `temperature`, and (n, T) entropies.
 
-    Rows that share a prompt (a group's members, a question's stored candidates) run it once: its KV cache is
-    indexed out to every row, so gradients from all of them flow back through one prompt pass. Padding positions
-    hold arbitrary values: mask them with `batch.completion_mask`.
+    Only the columns the rows use are computed (the batch's padding beyond them is cut off). Rows that share a
+    prompt (a group's members, a question's stored candidates) run it once: its KV cache is indexed out to every
+    row, so gradients from all of them flow back through one prompt pass (`prompt_sharing`: "auto" when some rows
+    share one, "always", or "never", e.g. under activation checkpointing, which disables the cache).
+    `chunk_tokens`: compute the output head, log-softmax and entropy in chunks of that many completion tokens,
+    recomputed in backward, so (tokens x vocabulary) logits never exist at once; None computes them in one go.
+    Padding positions hold 0: mask them with `batch.completion_mask`.
     """
-    input_ids, attention, positions = (t[rows].to(device)
-                                       for t in (batch.input_ids, batch.attention_mask, batch.position_ids))
-    targets = batch.completion_ids[rows].to(device)
+    n_rows, T_full = batch.completion_ids[rows].shape
+    input_ids, attention, positions, targets, mask = _trimmed(batch, rows, device)
     T = targets.shape[1]
     P = input_ids.shape[1] - T
     first, owner = distinct_rows(torch.cat([input_ids[:, :P], attention[:, :P]], dim=1))
-    if len(first) == len(input_ids):
-        out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, logits_to_keep=T + 1,
-                    use_cache=False)
-        logits = out.logits[:, :-1]
+    share = prompt_sharing == "always" or (prompt_sharing == "auto" and len(first) < len(input_ids))
+    want_hidden = chunk_tokens is not None
+    extra = {"output_hidden_states": True} if want_hidden else {}
+    if not share:
+        out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                    logits_to_keep=1 if want_hidden else T + 1, use_cache=False, **extra)
+        final = out.hidden_states[-1][:, P - 1:-1] if want_hidden else out.logits[:, :-1]
     else:
         # The prompt pass goes through the bare module: a DDP wrapper allows one forward per backward, and
         # each parameter still receives a single (summed) gradient from both passes.
         bare = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         head = bare(input_ids=input_ids[first, :P], attention_mask=attention[first, :P],
-                    position_ids=positions[first, :P], use_cache=True, logits_to_keep=1)
+                    position_ids=positions[first, :P], use_cache=True, logits_to_keep=1, **extra)
         cache = head.past_key_values
         cache.batch_select_indices(owner)
         out = model(input_ids=targets, attention_mask=attention, position_ids=positions[:, P:],
-                    past_key_values=cache, use_cache=True)
-        logits = torch.cat([head.logits[owner], out.logits[:, :-1]], dim=1)
+                    past_key_values=cache, use_cache=True, logits_to_keep=1 if want_hidden else 0, **extra)
+        if want_hidden:
+            final = torch.cat([head.hidden_states[-1][owner, -1:], out.hidden_states[-1][:, :-1]], dim=1)
+        else:
+            final = torch.cat([head.logits[owner], out.logits[:, :-1]], dim=1)
+    if want_hidden:
+        logp, entropy = _chunked_head(_output_head(model), final, targets, mask, temperature, with_entropy,
+                                      chunk_tokens)
+    else:
+        logp, entropy = _head_values(final, targets, temperature, with_entropy)
+    return _pad_to(logp * mask, T_full), (_pad_to(entropy * mask, T_full) if with_entropy else None)
+
+
+def _trimmed(batch: PackedBatch, rows, device):
+    """The rows' input ids, attention, positions, completion ids and completion mask, cut to the widest prompt
+    and the longest completion among them (at least one completion column)."""
+    T = batch.completion_ids.shape[1]
+    P = batch.input_ids.shape[1] - T
+    attention = batch.attention_mask[rows]
+    prompt_width = int(attention[:, :P].sum(-1).max())
+    completion_width = max(1, int(batch.completion_mask[rows].sum(-1).max()))
+    columns = slice(P - prompt_width, P + completion_width)
+    return (batch.input_ids[rows][:, columns].to(device), attention[:, columns].to(device),
+            batch.position_ids[rows][:, columns].to(device),
+            batch.completion_ids[rows][:, :completion_width].to(device),
+            batch.completion_mask[rows][:, :completion_width].to(device))
+
+
+def _pad_to(values: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(values, (0, width - values.shape[1]))
+
+
+def _head_values(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+    """Log-probs of `targets` and entropies from logits (..., V), in fp32."""
     log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
     logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None
+    entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else torch.zeros_like(logp)
+    return logp, entropy
+
+
+def _output_head(model):
+    bare = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    return bare.get_output_embeddings()
+
+
+def _chunked_head(head, hidden: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, temperature: float,
+                  with_entropy: bool, chunk_tokens: int):
+    """`_head_values` of the completion tokens only, `chunk_tokens` at a time; in backward each chunk's logits
+    are recomputed from its hidden states (activation checkpointing of the head)."""
+    valid = mask.bool()
+    h, t = hidden[valid], targets[valid]
+
+    def chunk(h_part, t_part):
+        return _head_values(head(h_part), t_part, temperature, with_entropy)
+
+    parts = [torch.utils.checkpoint.checkpoint(chunk, h[i:i + chunk_tokens], t[i:i + chunk_tokens],
+                                               use_reentrant=False)
+             for i in range(0, len(h), chunk_tokens)]
+    logp = hidden.new_zeros(targets.shape, dtype=torch.float32)
+    entropy = torch.zeros_like(logp)
+    if parts:
+        logp = logp.masked_scatter(valid, torch.cat([p for p, _ in parts]))
+        entropy = entropy.masked_scatter(valid, torch.cat([e for _, e in parts]))
     return logp, entropy
 
 
 @torch.no_grad()
-def candidate_scores(model, candidates: Sequence[tuple[Sequence[int], Sequence[int]]], metric: str,
-                     temperature: float, pad_id: int, batch_size: int, device: torch.device | str = "cpu"
-                     ) -> list[float]:
+def candidate_scores(forward: Callable[[PackedBatch, bool], tuple[torch.Tensor, torch.Tensor | None]],
+                     candidates: Sequence[tuple[Sequence[int], Sequence[int]]], metric: str, pad_id: int,
+                     batch_size: int) -> list[float]:
     """Replay-selection scores (see `exgrpo.experience.selection.trajectory_scores`) of (prompt ids, stored
-    trajectory ids) pairs under the current policy, in no-grad forwards of `batch_size` candidates."""
+    trajectory ids) pairs, in no-grad `forward(batch, with_entropy) -> (log-probs, entropies)` passes of
+    `batch_size` candidates (the caller puts the model in eval mode)."""
     scores: list[float] = []
-    was_training = model.training
-    model.eval()
     for start in range(0, len(candidates), batch_size):
         batch = pack([(p, t, None) for p, t in candidates[start : start + batch_size]], pad_id)
-        logp, entropy = token_logprobs(model, batch, temperature, with_entropy=metric != "perplexity", device=device)
+        logp, entropy = forward(batch, metric != "perplexity")
         values = logp if metric == "perplexity" else entropy
         scores += trajectory_scores(values, batch.completion_mask, metric).cpu().tolist()
-    model.train(was_training)
     return scores

@@ -12,7 +12,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from exgrpo.config import RolloutConfig
 from exgrpo.policy import distinct_rows
@@ -102,6 +102,12 @@ class HFEngine:
         truncated: list[bool] = []
         was_training = self.model.training
         self.model.eval()
+        # A fresh generation config for the call: the model's own (repetition_penalty, no_repeat_ngram_size,
+        # min_new_tokens, suppress_tokens, ...) would reshape the distribution before PerRowSampler sees it, and
+        # the recorded behaviour log-probs would not be those of the distribution actually sampled. transformers
+        # fills unset fields of a passed config from the model's, so the model's is swapped out instead.
+        inner = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        own, inner.generation_config = inner.generation_config, GenerationConfig()
         try:
             for start in range(0, len(prompt_ids), self.batch_size):
                 end = start + self.batch_size
@@ -109,6 +115,7 @@ class HFEngine:
                 completions += c
                 truncated += t
         finally:
+            inner.generation_config = own
             self.model.train(was_training)
         return Rollouts(completions, truncated)
 
@@ -135,12 +142,12 @@ class HFEngine:
         input_ids, attention = input_ids.to(self.model.device), attention.to(self.model.device)
         # Sampling happens in the logits processor (Gumbel-max with a generator per row), so generate decodes
         # greedily over already-sampled scores.
+        config = GenerationConfig(max_new_tokens=sampling.max_new_tokens, do_sample=False, pad_token_id=pad,
+                                  eos_token_id=sorted(self.eos_ids))
         out = self.model.generate(
             input_ids=input_ids, attention_mask=attention, past_key_values=self.shared_prefill(input_ids, attention),
-            do_sample=False, logits_processor=LogitsProcessorList([PerRowSampler(sampling, seeds)]),
-            max_new_tokens=sampling.max_new_tokens, pad_token_id=pad, eos_token_id=sorted(self.eos_ids),
-            temperature=None, top_p=None, top_k=None,
-        )
+            generation_config=config, logits_processor=LogitsProcessorList([PerRowSampler(sampling, seeds)]),
+            synced_gpus=False)  # under FSDP the trainer gathers the weights first: no collectives while decoding
         completions, truncated = [], []
         for row in out[:, width:].tolist():
             ids = []

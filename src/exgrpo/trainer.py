@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import signal
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -28,20 +30,22 @@ import torch
 
 from exgrpo.atomic import write_text_atomic
 from exgrpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from exgrpo.config import ExGRPOConfig
+from exgrpo.config import ConfigError, ExGRPOConfig
 from exgrpo.data import PromptEncoder, Question
 from exgrpo.distributed import Distributed, init_distributed, shard
-from exgrpo.errors import RunDirectoryError
+from exgrpo.errors import ExgrpoWarning, RunDirectoryError
 from exgrpo.evaluation.contamination import screen_benchmark_questions
 from exgrpo.evaluation.heldout import Accuracy, evaluate_accuracy
 from exgrpo.experience import ExperienceBuffer, Trajectory, num_experiential, sample_questions, select_replays
 from exgrpo.groups import Group, GroupRewards, Member, form_groups, pack_groups, score_groups
 from exgrpo.metrics import step_metrics
+from exgrpo.models import save_model
 from exgrpo.objective import group_advantages
 from exgrpo.policy import PackedBatch, candidate_scores
 from exgrpo.question_pool import QuestionPool
 from exgrpo.rewards import GradingPool
 from exgrpo.rewards.health import RewardHealth
+from exgrpo.sharding import full_model_state
 from exgrpo.rundir import clear_run, holds_a_run, lock_run_directory, unlock_run_directory
 from exgrpo.rollout import RolloutEngine, SamplingSettings, build_engine, derive_seed
 from exgrpo.timing import StageTimer
@@ -83,6 +87,9 @@ class ExGRPOTrainer:
                  train_dataset: Sequence[Question], reward_weights: Sequence[float] | None = None,
                  engine: RolloutEngine | None = None, distributed: Distributed | None = None,
                  eval_dataset: Sequence[Question] | None = None, grading_pool: GradingPool | None = None):
+        if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and config.train.sharding != "fsdp":
+            raise ConfigError("launched with an accelerate FSDP config: set train.sharding=fsdp (exgrpo shards with "
+                              "FSDP2 itself; the accelerate config's FSDP settings are not read)")
         self.dist = distributed or init_distributed()
         model.to(self.dist.device)
         self.model, self.tokenizer, self.config = model, tokenizer, config
@@ -111,16 +118,29 @@ class ExGRPOTrainer:
                                          c.rollout.top_p, c.rollout.top_k)
         self.prompt_ids = PromptEncoder(tokenizer, remove_system=c.data.remove_system,
                                         system_prompt=c.data.system_prompt, think_prefix=c.data.think_prefix)
+        if c.data.max_prompt_length:
+            train_dataset = self._drop_long_prompts(train_dataset, "training")
+            self.eval_dataset = self._drop_long_prompts(self.eval_dataset, "held-out")
         e = c.experience
         self.buffer = ExperienceBuffer(self.K, e.lbound, e.rbound, e.max_trajectories_per_question, e.max_questions)
         self.pool = QuestionPool(train_dataset, c.train.seed, retirement=self.buffer)
         self.update = PolicyUpdate(model, c.train, self.K, c.rollout.temperature, self.dist,
-                                   on_optimizer_step=self.engine.sync_weights)
+                                   loss_scale=c.objective.loss_scale, on_optimizer_step=self.engine.sync_weights)
         self.phase = WARMUP
         self.step = 0
         self._resumed = False
         self.history: list[dict] = []
         self.last_step: StepRecord | None = None
+
+    def _drop_long_prompts(self, questions: Sequence[Question], which: str) -> list[Question]:
+        """data.max_prompt_length: questions whose prompt is longer are dropped (released), with a warning."""
+        limit = self.config.data.max_prompt_length
+        kept = [q for q in questions if len(self.prompt_ids(q)) <= limit]
+        if len(kept) < len(questions):
+            warnings.warn(ExgrpoWarning(f"dropped {len(questions) - len(kept)} of {len(questions)} {which} "
+                                        f"questions whose prompt is longer than data.max_prompt_length = {limit} "
+                                        "tokens"), stacklevel=3)
+        return kept
 
     # ------------------------------------------------------------------ the algorithm
     def train_step(self) -> tuple[dict, list[dict]]:
@@ -178,8 +198,14 @@ class ExGRPOTrainer:
         """Selection scores of (question, stored trajectory) pairs; each rank scores a shard, all get every score."""
         c = self.config
         mine = [(self.prompt_ids(q), t.token_ids.tolist()) for q, t in shard(pairs, self.dist)]
-        scores = candidate_scores(self.model, mine, c.experience.selection_metric, c.rollout.temperature,
-                                  self.tokenizer.pad_token_id, c.experience.selection_batch_size, self.dist.device)
+        was_training = self.model.training
+        self.model.eval()
+        with self.update.full_weights():
+            scores = candidate_scores(lambda batch, entropy: self.update.logprobs(self.model, batch, slice(None),
+                                                                                  entropy),
+                                      mine, c.experience.selection_metric, self.tokenizer.pad_token_id,
+                                      c.experience.selection_batch_size)
+        self.model.train(was_training)
         return self.dist.gather(scores)
 
     def roll_out(self, groups: list[Group]) -> None:
@@ -188,8 +214,9 @@ class ExGRPOTrainer:
         c, dp = self.config, self.dist
         start, end = dp.shard_bounds(len(groups))
         requests = [(gi, j) for gi in range(start, end) for j in range(len(groups[gi].members), self.K)]
-        rollouts = self.engine.generate([groups[gi].prompt_ids for gi, _ in requests], self.sampling,
-                                        [derive_seed(c.train.seed, self.step, gi, j) for gi, j in requests])
+        with self.update.full_weights(), self.update.compute_precision():
+            rollouts = self.engine.generate([groups[gi].prompt_ids for gi, _ in requests], self.sampling,
+                                            [derive_seed(c.train.seed, self.step, gi, j) for gi, j in requests])
         sampled = dp.gather(list(zip(rollouts.completion_ids, rollouts.truncated)))
         slots = [g for g in groups for _ in range(self.K - len(g.members))]
         for g, (ids, truncated) in zip(slots, sampled):
@@ -202,8 +229,9 @@ class ExGRPOTrainer:
         mine = score_groups(groups[start:end], self.tokenizer, self.reward_funcs, self.reward_weights)
         mine.grading = self.grading_pool.pop_stats() if self.grading_pool is not None else {}
         gathered = self.dist.gather([mine])
-        rewards = GroupRewards(np.concatenate([r.total for r in gathered]),
-                               {name: np.concatenate([r.per_function[name] for r in gathered])
+        graded = [r for r in gathered if len(r.total)]  # a rank may have had no groups
+        rewards = GroupRewards(np.concatenate([r.total for r in graded]),
+                               {name: np.concatenate([r.per_function[name] for r in graded])
                                 for name in mine.per_function},
                                {k: sum(r.grading[k] for r in gathered) for k in mine.grading})
         self.reward_health.check(self.step + 1, rewards.per_function, rewards.total, rewards.grading)
@@ -323,9 +351,10 @@ class ExGRPOTrainer:
         questions = self.eval_dataset[: c.eval.max_questions] if c.eval.max_questions else self.eval_dataset
         sampling = SamplingSettings(c.rollout.max_completion_length, c.eval.temperature, c.rollout.top_p,
                                     c.rollout.top_k)
-        return evaluate_accuracy(self.engine, self.tokenizer, questions, self.reward_funcs, sampling,
-                                 c.eval.samples, seed=derive_seed(c.train.seed, self.step, 4),
-                                 success_threshold=c.reward.success_threshold, prompt_ids_of=self.prompt_ids)
+        with self.update.full_weights(), self.update.compute_precision():
+            return evaluate_accuracy(self.engine, self.tokenizer, questions, self.reward_funcs, sampling,
+                                     c.eval.samples, seed=derive_seed(c.train.seed, self.step, 4),
+                                     success_threshold=c.reward.success_threshold, prompt_ids_of=self.prompt_ids)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -346,10 +375,13 @@ class ExGRPOTrainer:
         self.pool.load_state_dict(trainer["pool"])
 
     def save(self) -> None:
-        """Checkpoint the current step (rank 0 writes; every rank waits for it)."""
+        """Checkpoint the current step: every rank gathers the state (FSDP needs them all), rank 0 writes it."""
+        state = self.state_dict()
+        weights = full_model_state(self.model) if self.update.sharded else None
         if self.dist.is_main:
-            save_checkpoint(self.config.logging.output_dir, self.step, self.model, self.state_dict(),
-                            self.config.train.save_total_limit)
+            save_checkpoint(self.config.logging.output_dir, self.step,
+                            lambda directory: save_model(self.model, directory, weights),
+                            state, self.config.train.save_total_limit)
         self.dist.barrier()
 
     def resume(self, directory) -> None:
@@ -359,14 +391,16 @@ class ExGRPOTrainer:
         self._resumed = True
         if self.dist.is_main:
             truncate_metrics(self.config.logging.output_dir, self.step)
+        self.engine.sync_weights()
 
     # ------------------------------------------------------------------ reporting
     def _check_replicas(self) -> dict:
-        """Every rank's buffer and trainable-parameter hashes; they must agree."""
+        """Every rank's buffer and (DDP) trainable-parameter hashes; they must agree."""
         h = hashlib.sha256()
-        for p in self.model.parameters():
-            if p.requires_grad:
-                h.update(p.detach().cpu().numpy().tobytes())
+        if not self.update.sharded:  # FSDP holds one copy of the weights, in shards: nothing to compare
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    h.update(p.detach().cpu().numpy().tobytes())
         hashes = self.dist.gather([(self.buffer.fingerprint(), h.hexdigest())])
         if len(set(hashes)) > 1:
             raise RuntimeError(f"data-parallel replicas diverged at step {self.step}: {hashes}")

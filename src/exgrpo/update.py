@@ -2,8 +2,10 @@
 micro-batches, one clipped AdamW step per mini-batch; and the pre-update log-probs that become the behaviour
 log-probs of collected trajectories.
 
-Under data parallelism each rank works on its shard of every mini-batch's groups; DDP averages gradients and the
-loss is scaled by the world size, so the update equals the one-process one.
+Under data parallelism each rank works on its shard of every mini-batch's groups. With `loss_scale: global` the
+loss is scaled by the world size, so that the ranks' averaged gradients equal the one-process update; with
+`per_rank` each rank's loss stands alone and the gradients are averaged (the released code's scale: spec §4.3).
+`train.sharding: ddp` wraps the model in DDP, `fsdp` shards it with FSDP2 (exgrpo.sharding).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import torch
 from exgrpo.config import ObjectiveConfig, TrainConfig
 from exgrpo.distributed import Distributed
 from exgrpo.errors import TrainingError
-from exgrpo.timing import StageTimer
 from exgrpo.objective import LossSettings, merge_stats, mixed_policy_loss
 from exgrpo.policy import PackedBatch, token_logprobs
+from exgrpo.sharding import all_finite, fully_shard_model, gathered, load_optimizer_state, optimizer_state
+from exgrpo.timing import StageTimer
 
 WARMUP, MIXED = "warmup", "mixed"
 
@@ -33,7 +36,36 @@ def loss_settings(objective: ObjectiveConfig, max_completion_length: int, phase:
         clip_fresh=phase == WARMUP or o.clip_after_switch, epsilon_low=o.epsilon_low, epsilon_high=o.epsilon_high,
         beta=o.beta, shaping=o.policy_shaping, aggregation=o.aggregation,
         normalizer=o.normalizer or float(max_completion_length), entropy_coef=o.entropy_coef,
+        entropy_per_micro_batch=o.loss_scale == "per_rank",
     )
+
+
+def plan_micro_batches(rows: torch.Tensor, prompt_lengths: torch.Tensor, completion_lengths: torch.Tensor,
+                       max_rows: int, max_tokens: int | None) -> list[torch.Tensor]:
+    """Split `rows` into micro-batches of at most `max_rows` rows and, with `max_tokens`, at most that many
+    padded tokens (rows x (widest prompt + longest completion) among them). Under a token budget, rows are taken
+    longest first, so long and short rows do not share a micro-batch; a single row above the budget gets its own.
+    Without one, rows keep their order.
+
+    Args:
+        rows: (n,) row indices; prompt_lengths, completion_lengths: (N,) of every row of the batch.
+    """
+    if len(rows) == 0:
+        return []
+    if max_tokens is None:
+        return list(rows.split(max_rows))
+    order = sorted(rows.tolist(), key=lambda r: -int(prompt_lengths[r] + completion_lengths[r]))
+    micro, out, width_p, width_t = [], [], 0, 0
+    for r in order:
+        p, t = int(prompt_lengths[r]), int(completion_lengths[r])
+        if micro and (len(micro) == max_rows or (len(micro) + 1) * (max(width_p, p) + max(width_t, t)) > max_tokens):
+            out.append(torch.tensor(micro))
+            micro, width_p, width_t = [], 0, 0
+        micro.append(r)
+        width_p, width_t = max(width_p, p), max(width_t, t)
+    if micro:
+        out.append(torch.tensor(micro))
+    return out
 
 
 @dataclass
@@ -43,26 +75,44 @@ class UpdateResult:
 
 
 class PolicyUpdate:
-    """Owns the optimizer and scheduler of the trainable parameters and applies one step's update.
+    """Owns the (sharded or replicated) trainable model, its optimizer and scheduler, and applies one step's update.
 
     Args:
-        model: the policy (possibly peft-wrapped); its trainable parameters are optimised.
-        train: optimizer, schedule, mini/micro-batch and clipping settings.
+        model: the policy (possibly peft-wrapped); its trainable parameters are optimised. With FSDP it is
+            sharded in place here, before the optimizer is built.
+        train: optimizer, schedule, batching, precision, sharding and clipping settings.
         group_size: K; mini-batches hold whole groups of K consecutive rows.
         temperature: the rollout temperature (log-probs are those of the sampling distribution).
         dist: the data-parallel context.
+        loss_scale: "global" or "per_rank" (see the module docstring).
         on_optimizer_step: called after every applied optimizer step (e.g. an engine reloading weights).
     """
 
     def __init__(self, model, train: TrainConfig, group_size: int, temperature: float, dist: Distributed,
-                 on_optimizer_step: Callable[[], None] = lambda: None):
-        params = [p for p in model.parameters() if p.requires_grad]
-        if not params:
+                 loss_scale: str = "global", on_optimizer_step: Callable[[], None] = lambda: None):
+        if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("the model has no trainable parameters")
         self.model, self.train, self.K, self.temperature, self.dist = model, train, group_size, temperature, dist
-        self.on_optimizer_step = on_optimizer_step
-        self.train_model = torch.nn.parallel.DistributedDataParallel(model) if dist.enabled else model
-        self.optimizer = torch.optim.AdamW(params, lr=train.learning_rate, weight_decay=train.weight_decay,
+        self.loss_scale, self.on_optimizer_step = loss_scale, on_optimizer_step
+        self.sharded = train.sharding == "fsdp" and dist.enabled
+        bf16 = train.dtype == "bf16"
+        if train.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.sharded:
+            fully_shard_model(model, dist, bf16)
+        # no buffer broadcast: the model's buffers (e.g. rotary frequencies) never change, and without it ranks may
+        # run different numbers of forward passes (one gradient all-reduce per mini-batch is what must match)
+        self.train_model = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) \
+            if dist.enabled and not self.sharded else model
+        self._autocast = bf16 and not self.sharded  # FSDP2 casts the parameters itself
+        # the KV-cache prompt sharing needs the cache, which activation checkpointing turns off; under FSDP every
+        # rank must run the same passes, so it is always on
+        self.prompt_sharing = "never" if train.activation_checkpointing else "always" if self.sharded else "auto"
+        # with dropout, the training forward is not the sampling policy: behaviour log-probs need their own pass
+        self.separate_behaviour_pass = train.mini_batches > 1 or any(
+            isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=train.learning_rate, weight_decay=train.weight_decay,
                                            betas=(train.adam_beta1, train.adam_beta2))
         from transformers import get_scheduler
 
@@ -74,6 +124,20 @@ class PolicyUpdate:
     @property
     def learning_rate(self) -> float:
         return float(self.scheduler.get_last_lr()[0])
+
+    def full_weights(self):
+        """A context for forward passes that ranks run different numbers of times (generation, scoring)."""
+        return gathered(self.model)
+
+    def compute_precision(self):
+        """A context in which forward passes run in the training precision (bf16 autocast over fp32 weights)."""
+        return torch.autocast(self.dist.device.type, dtype=torch.bfloat16, enabled=self._autocast)
+
+    def logprobs(self, model, batch: PackedBatch, rows: torch.Tensor | slice, with_entropy: bool):
+        """`token_logprobs` with this run's precision, chunking and prompt sharing."""
+        with self.compute_precision():
+            return token_logprobs(model, batch, self.temperature, rows, with_entropy, device=self.dist.device,
+                                  chunk_tokens=self.train.logprob_chunk_tokens, prompt_sharing=self.prompt_sharing)
 
     def __call__(self, batch: PackedBatch, advantages: torch.Tensor, settings: LossSettings,
                  importance_correction: bool, rng: np.random.Generator, timer: StageTimer) -> UpdateResult:
@@ -93,9 +157,9 @@ class PolicyUpdate:
                 parts += stats
                 with timer("optimizer"):
                     grad_norms.append(self._optimizer_step())
-        gathered = self.dist.gather([(parts, loss_sum)])
-        stats = merge_stats([p for ps, _ in gathered for p in ps])
-        stats["loss"] = sum(loss for _, loss in gathered)  # as optimised: summed over micro-batches
+        gathered_parts = self.dist.gather([(parts, loss_sum)])
+        stats = merge_stats([p for ps, _ in gathered_parts for p in ps])
+        stats["loss"] = sum(loss for _, loss in gathered_parts)  # as optimised: summed over micro-batches
         stats["grad_norm"] = float(np.mean(grad_norms))
         if self.dist.enabled:
             old_logp = self._gather_rows(old_logp, my_rows)
@@ -114,58 +178,85 @@ class PolicyUpdate:
             minis.append((torch.cat(rows), mine))
         return minis
 
+    def _micro_batches(self, batch: PackedBatch, rows: torch.Tensor) -> list[torch.Tensor]:
+        T = batch.completion_ids.shape[1]
+        prompt_lengths = batch.attention_mask[:, :-T].sum(-1)
+        completion_lengths = batch.completion_mask.sum(-1)
+        return plan_micro_batches(rows, prompt_lengths, completion_lengths, self.train.micro_batch_size,
+                                  self.train.max_tokens_per_micro_batch)
+
     def _pre_update_logprobs(self, batch: PackedBatch, rows: torch.Tensor) -> torch.Tensor:
-        """(N, T), filled on `rows`. With one mini-batch the training forward is the pre-update forward, so this
-        pass is skipped and `_accumulate` fills them in."""
+        """(N, T), filled on `rows`, from a no-grad pass in eval mode (the sampling policy: no dropout). Skipped
+        when the training forward of a single mini-batch is that pass already; `_accumulate` fills them in."""
         old_logp = torch.zeros_like(batch.completion_mask)
-        if self.train.mini_batches > 1:  # later mini-batches need the pre-update log-probs of the whole batch
+        if self.separate_behaviour_pass:  # later mini-batches need the pre-update log-probs of the whole batch
             self.model.eval()
-            with torch.no_grad():
-                for micro in rows.split(self.train.micro_batch_size):
-                    old_logp[micro] = self._logprobs(self.model, batch, micro, with_entropy=False)[0].cpu()
+            with torch.no_grad(), self.full_weights():
+                for micro in self._micro_batches(batch, rows):
+                    old_logp[micro] = self.logprobs(self.model, batch, micro, with_entropy=False)[0].cpu()
             self.model.train()
         return old_logp
-
-    def _logprobs(self, model, batch: PackedBatch, rows: torch.Tensor, with_entropy: bool):
-        return token_logprobs(model, batch, self.temperature, rows, with_entropy, device=self.dist.device)
 
     def _accumulate(self, batch: PackedBatch, advantages: torch.Tensor, settings: LossSettings,
                     importance_correction: bool, old_logp: torch.Tensor, mini: torch.Tensor, mine: torch.Tensor,
                     timer: StageTimer) -> tuple[float, list[dict]]:
-        """Forward/backward over this rank's micro-batches of one mini-batch; gradients accumulate exactly."""
+        """Forward/backward over this rank's micro-batches of one mini-batch; gradients accumulate exactly.
+
+        Every rank runs the same number of backward passes where the collectives need it (FSDP: each pass;
+        DDP: one), padding with passes over a row of the mini-batch whose loss is multiplied by zero.
+        """
         mask = batch.completion_mask
         totals = {"total_tokens": float(mask[mini].sum()), "total_sequences": float(len(mini))}
-        if len(mine) == 0:  # other ranks hold this mini-batch's groups; join DDP's gradient all-reduce anyway
-            logp, _ = self._logprobs(self.train_model, batch, mini[:1], with_entropy=False)
-            (logp.sum() * 0.0).backward()
-            return 0.0, []
-        micro_batches = mine.split(self.train.micro_batch_size)
+        micro_batches = self._micro_batches(batch, mine)
+        if self.sharded:
+            passes = max(self.dist.gather([len(micro_batches)]))
+        else:
+            passes = max(len(micro_batches), 1 if self.dist.enabled else 0)
         loss_sum, parts = 0.0, []
-        for i, rows in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1  # DDP all-reduces gradients on the last backward of a mini-batch
-            sync = contextlib.nullcontext() if not self.dist.enabled or last else self.train_model.no_sync()
-            with sync:
-                with timer("forward"):
-                    logp, entropy = self._logprobs(self.train_model, batch, rows, with_entropy=True)
-                if self.train.mini_batches == 1:
-                    old_logp[rows] = logp.detach().cpu()
-                recorded = torch.where(batch.replay_mask[rows], batch.recorded_logp[rows], old_logp[rows]) \
-                    if importance_correction else old_logp[rows]
-                device = logp.device
-                loss, stats = mixed_policy_loss(
-                    logp, old_logp[rows].to(device), recorded.to(device), advantages[rows].to(device),
-                    mask[rows].to(device), batch.replay_mask[rows].to(device), settings, entropy=entropy, **totals)
-                if not torch.isfinite(loss):
-                    raise TrainingError(f"the loss is not finite ({loss.item()}); the update is not applied and "
-                                        "the last checkpoint is the last good state")
-                (loss * self.dist.world_size).backward()
-            loss_sum += loss.item()
+        for i in range(passes):
+            with self._gradient_sync(last=i == passes - 1):
+                if i >= len(micro_batches):  # padding pass: joins the collectives, adds nothing
+                    self.logprobs(self.train_model, batch, mini[:1], with_entropy=False)[0].sum().mul(0.0).backward()
+                    continue
+                loss, stats = self._micro_step(batch, micro_batches[i], advantages, settings, importance_correction,
+                                               old_logp, totals, timer)
+            loss_sum += loss
             parts.append(stats)
         return loss_sum, parts
 
+    def _micro_step(self, batch: PackedBatch, rows: torch.Tensor, advantages: torch.Tensor, settings: LossSettings,
+                    importance_correction: bool, old_logp: torch.Tensor, totals: dict, timer: StageTimer
+                    ) -> tuple[float, dict]:
+        """Forward and backward of one micro-batch; returns its loss and statistics."""
+        with timer("forward"):
+            logp, entropy = self.logprobs(self.train_model, batch, rows, with_entropy=True)
+        if not self.separate_behaviour_pass:
+            old_logp[rows] = logp.detach().cpu()
+        recorded = torch.where(batch.replay_mask[rows], batch.recorded_logp[rows], old_logp[rows]) \
+            if importance_correction else old_logp[rows]
+        device = logp.device
+        mask = batch.completion_mask
+        loss, stats = mixed_policy_loss(
+            logp, old_logp[rows].to(device), recorded.to(device), advantages[rows].to(device),
+            mask[rows].to(device), batch.replay_mask[rows].to(device), settings, entropy=entropy, **totals)
+        if not torch.isfinite(loss):
+            raise TrainingError(f"the loss is not finite ({loss.item()}); the update is not applied and "
+                                "the last checkpoint is the last good state")
+        (loss * (self.dist.world_size if self.loss_scale == "global" else 1)).backward()
+        return loss.item(), stats
+
+    def _gradient_sync(self, last: bool):
+        """Gradients are reduced across ranks on the last backward pass of a mini-batch only."""
+        if self.sharded:
+            self.model.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
+        if self.dist.enabled and not last:
+            return self.train_model.no_sync()
+        return contextlib.nullcontext()
+
     def _optimizer_step(self) -> float:
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        norm = float(torch.nn.utils.clip_grad_norm_(params, self.train.max_grad_norm))
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.train.max_grad_norm)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         if not math.isfinite(norm) or norm > self.train.skip_grad_norm:
             self.skipped_updates += 1
             if self.skipped_updates > self.train.max_skipped_updates:
@@ -174,7 +265,7 @@ class PolicyUpdate:
                                     f"than train.max_skipped_updates {self.train.max_skipped_updates}")
         else:
             self.optimizer.step()
-            if not bool(torch.stack([torch.isfinite(p).all() for p in params]).all()):  # one device sync
+            if not all_finite(self.params, self.dist):
                 raise TrainingError(f"the weights are not finite after an optimizer step (learning rate "
                                     f"{self.learning_rate:g}); the last checkpoint is the last good state")
             self.on_optimizer_step()
@@ -191,10 +282,12 @@ class PolicyUpdate:
         return out
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+        """Optimizer state keyed by parameter name (independent of sharding), scheduler, counters. Every rank
+        must call it under FSDP."""
+        return {"optimizer": optimizer_state(self.model, self.optimizer), "scheduler": self.scheduler.state_dict(),
                 "optimizer_steps": self.optimizer_steps, "skipped_updates": self.skipped_updates}
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.optimizer_steps, self.skipped_updates = state["optimizer_steps"], state["skipped_updates"]

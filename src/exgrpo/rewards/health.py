@@ -11,12 +11,12 @@ import warnings
 
 import numpy as np
 
-from exgrpo.errors import TrainingError
+from exgrpo.errors import ExgrpoWarning, TrainingError
 
 PROBE_STEPS = 5  # the first steps over which "never / always correct" is judged
 
 
-class RewardWarning(UserWarning):
+class RewardWarning(ExgrpoWarning):
     """A reward function behaves in a way that probably makes the run mean something other than intended."""
 
 

@@ -1,0 +1,156 @@
+"""Peak memory of one training micro-batch (forward, loss and backward as the trainer runs them), by completion
+length, with and without the chunked log-prob head and activation checkpointing; and per-rank memory of FSDP vs
+DDP on 2 CPU ranks.
+
+    .venv/bin/python bench/memory.py                       # SmolLM2-135M-Instruct + LoRA r32, lengths 512 2048 8192
+    .venv/bin/python bench/memory.py --lengths 512 1024 --model tiny
+    .venv/bin/python bench/memory.py --ranks                # FSDP vs DDP, full fine-tuning, 2 gloo ranks
+
+Each measurement runs in a fresh process. The peak is the growth of the resident set (Linux VmHWM, reset through
+/proc/self/clear_refs) over one micro-batch of one sequence (a 64-token prompt and a completion of L tokens),
+after a warm-up micro-batch of the same shape; the model, its gradients' storage and the allocator's reuse are
+therefore not counted, only what one micro-batch adds. One JSON line per measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+PROMPT = 64
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field))
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def measure_micro_batch(model_name: str, length: int, chunk: int | None, checkpointing: bool, lora: bool) -> dict:
+    import numpy as np
+    import torch
+
+    from exgrpo.config import config_from_dict
+    from exgrpo.distributed import Distributed
+    from exgrpo.models import LoraSettings, load_policy
+    from exgrpo.objective import LossSettings, mixed_policy_loss
+    from exgrpo.policy import pack
+    from exgrpo.update import PolicyUpdate
+
+    torch.set_num_threads(2)
+    model, tok = load_policy(model_name, lora=LoraSettings(32, 64, 0.0, "all-linear") if lora else None)
+    config = config_from_dict({"train": {"logprob_chunk_tokens": chunk, "activation_checkpointing": checkpointing,
+                                         "mini_batches": 1}})
+    update = PolicyUpdate(model, config.train, group_size=2, temperature=1.0, dist=Distributed())
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size
+    batch = pack([(rng.integers(0, vocab, PROMPT).tolist(), rng.integers(0, vocab, length).tolist(), None)],
+                 tok.pad_token_id)
+    model.train()
+
+    def micro_batch() -> None:
+        logp, entropy = update.logprobs(model, batch, torch.arange(1), with_entropy=True)
+        loss, _ = mixed_policy_loss(logp, logp.detach(), logp.detach(), torch.ones(1), batch.completion_mask,
+                                    batch.replay_mask, LossSettings(normalizer=float(length)), entropy=entropy)
+        loss.backward()
+
+    micro_batch()  # warm-up: allocates the gradients and lets the allocator settle
+    before = _rss_kib("VmRSS")
+    _reset_peak()
+    start = time.perf_counter()
+    micro_batch()
+    seconds = time.perf_counter() - start
+    peak = _rss_kib("VmHWM") - before
+    return {"bench": "memory", "model": model_name, "vocab": vocab, "completion_tokens": length,
+            "prompt_tokens": PROMPT, "logprob_chunk_tokens": chunk, "activation_checkpointing": checkpointing,
+            "lora": lora, "peak_mib": round(peak / 1024, 1), "seconds": round(seconds, 2)}
+
+
+def measure_ranks(model_name: str, sharding: str, length: int) -> None:
+    """Run under torchrun: one full fine-tuning step (forward, backward, AdamW), then each rank's peak RSS."""
+    import torch
+    import torch.distributed as dist
+
+    from exgrpo.config import config_from_dict
+    from exgrpo.distributed import init_distributed
+    from exgrpo.models import load_policy
+    from exgrpo.objective import LossSettings, mixed_policy_loss
+    from exgrpo.policy import pack
+    from exgrpo.update import PolicyUpdate
+
+    torch.set_num_threads(1)
+    ctx = init_distributed()
+    model, tok = load_policy(model_name)
+    config = config_from_dict({"train": {"sharding": sharding, "mini_batches": 1}})
+    update = PolicyUpdate(model, config.train, group_size=1, temperature=1.0, dist=ctx)
+    ids = [10 + i % (model.config.vocab_size - 10) for i in range(length)]
+    batch = pack([(ids[:PROMPT], ids, None)], tok.pad_token_id)
+    for _ in range(2):  # the second step measures the steady state (optimizer state exists)
+        if _ == 1:
+            _reset_peak()
+        logp, entropy = update.logprobs(update.train_model, batch, torch.arange(1), with_entropy=True)
+        loss, _ = mixed_policy_loss(logp, logp.detach(), logp.detach(), torch.ones(1), batch.completion_mask,
+                                    batch.replay_mask, LossSettings(normalizer=float(length)), entropy=entropy)
+        loss.backward()
+        update.optimizer.step()
+        update.optimizer.zero_grad(set_to_none=True)
+    peaks = [None] * ctx.world_size
+    dist.all_gather_object(peaks, _rss_kib("VmHWM"))
+    if ctx.is_main:
+        params = sum(p.numel() for p in model.parameters())
+        print(json.dumps({"bench": "memory_ranks", "model": model_name, "sharding": sharding, "ranks": ctx.world_size,
+                          "parameters": params, "completion_tokens": length,
+                          "peak_rss_mib_per_rank": [round(p / 1024, 1) for p in peaks]}), flush=True)
+    dist.destroy_process_group()
+
+
+def _child(*args: str) -> str:
+    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--lengths", nargs="+", type=int, default=[512, 2048, 8192])
+    parser.add_argument("--chunk", type=int, default=1024, help="logprob_chunk_tokens of the chunked variants")
+    parser.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA r32")
+    parser.add_argument("--ranks", action="store_true", help="FSDP vs DDP per-rank memory on 2 gloo ranks")
+    parser.add_argument("--one", nargs=4, metavar=("LENGTH", "CHUNK", "CKPT", "LORA"), help=argparse.SUPPRESS)
+    parser.add_argument("--rank-worker", metavar="SHARDING", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        length, chunk, ckpt, lora = args.one
+        print(json.dumps(measure_micro_batch(args.model, int(length), None if chunk == "none" else int(chunk),
+                                             ckpt == "1", lora == "1")))
+        return
+    if args.rank_worker:
+        measure_ranks(args.model, args.rank_worker, args.lengths[0])
+        return
+    if args.ranks:
+        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+        for sharding in ("ddp", "fsdp"):
+            out = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", __file__, "--model", args.model,
+                                  "--lengths", str(args.lengths[0]), "--rank-worker", sharding],
+                                 capture_output=True, text=True, check=True)
+            print(out.stdout.strip().splitlines()[-1], flush=True)
+        return
+    for length in args.lengths:
+        for chunk in ("none", str(args.chunk)):
+            for ckpt in ("0", "1"):
+                print(_child("--model", args.model, "--one", str(length), chunk, ckpt, "0" if args.full else "1"),
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
