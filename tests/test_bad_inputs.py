@@ -76,6 +76,20 @@ def _skip_invalid(tmp_path):
     assert len(questions) == 1 and questions.skipped == 1
 
 
+def _vllm_not_installed(tmp_path):
+    import importlib.util
+
+    from exgrpo.rollout import build_engine
+    from exgrpo.rollout.vllm import EngineError
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here")
+    config = config_from_dict({"rollout": {"engine": "vllm"}})
+    model, tokenizer = load_policy("tiny:0")
+    with pytest.raises(EngineError, match=r"needs vLLM, which is not installed: pip install 'exgrpo\[vllm\]'"):
+        build_engine(config, model, tokenizer, lambda: 8)
+
+
 def _timeout(tmp_path):
     with GradingPool(num_workers=1, timeout=1.0) as pool:
         start = time.monotonic()
@@ -100,6 +114,13 @@ CASES = {
                                  _raises(ConfigError, "must be divisible by train.mini_batches")),
     "bad YAML": (lambda p: load_config(_write(p, "c.yaml", "train: {steps: [")),
                  _raises(ConfigError, "c.yaml: not valid YAML")),
+    "engine precision the trainer cannot correct for": (
+        lambda p: load_config(None, ["rollout.engine=vllm", "rollout.engine_dtype=bfloat16",
+                                     "objective.engine_correction=none"]),
+        _raises(ConfigError, "the vllm engine samples in bfloat16 but the trainer computes in float32")),
+    "vllm engine with top-p": (lambda p: load_config(None, ["rollout.engine=vllm", "rollout.top_p=0.9"]),
+                               _raises(ConfigError, "it needs rollout.top_p 1 and rollout.top_k 0")),
+    "vllm not installed": (_vllm_not_installed, lambda action: action()),
     # datasets
     "missing data file": (lambda p: load_questions(str(p / "nope.jsonl")),
                           _raises(FileNotFoundError, "nope.jsonl")),

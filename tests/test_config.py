@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_paper_config_equals_the_released_run_script():
     """configs/qwen2.5-math-7b.yaml holds spec §7's values (no weights are loaded)."""
     c = load_config(ROOT / "configs" / "qwen2.5-math-7b.yaml")
-    assert c.model.name == "Elliott/Qwen2.5-Math-7B-16k-think" and c.model.dtype == "bfloat16"
+    assert c.model.name == "Elliott/Qwen2.5-Math-7B-16k-think" and c.model.dtype == "float32"  # fp32 masters
     assert (c.rollout.num_generations, c.rollout.max_completion_length, c.rollout.temperature, c.rollout.top_p,
             c.rollout.top_k) == (8, 8192, 1.0, 1.0, 0)
     assert c.reward.grader == "math" and c.reward.think_gate and c.data.think_prefix == "<think>\n"
@@ -28,6 +28,15 @@ def test_paper_config_equals_the_released_run_script():
     assert (t.steps, t.prompts_per_step, t.mini_batches, t.learning_rate, t.weight_decay, t.adam_beta1, t.adam_beta2,
             t.lr_scheduler, t.warmup_steps, t.max_grad_norm, t.skip_grad_norm, t.seed) == \
         (700, 128, 2, 1e-6, 0.01, 0.9, 0.999, "constant", 0, 1.0, 500.0, 47)
+
+
+def test_paper_configs_shard_in_bf16_with_checkpointing_and_the_released_scale():
+    for name in ("qwen2.5-math-7b.yaml", "qwen2.5-math-1.5b.yaml"):
+        t = load_config(ROOT / "configs" / name).train
+        assert (t.sharding, t.dtype, t.activation_checkpointing, t.max_tokens_per_micro_batch) == \
+            ("fsdp", "bf16", True, 32768), name
+        c = load_config(ROOT / "configs" / name)
+        assert c.objective.loss_scale == "per_rank" and c.data.max_prompt_length == 1024 and t.logprob_chunk_tokens
 
 
 @pytest.mark.parametrize("name", ["demo.yaml", "tiny.yaml"])

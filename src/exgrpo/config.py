@@ -77,8 +77,26 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["hf"] = "hf"
-    """Rollout engine: hf (transformers generate on the training model)."""
+    engine: Literal["hf", "vllm"] = "hf"
+    """Rollout engine: hf (transformers generate on the training model) or vllm (an in-process vLLM engine with its
+    own copy of the weights, synced after every optimizer step; needs the vllm extra)."""
+    engine_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """vllm: the engine's precision; auto is the trainer's compute precision (bfloat16 under train.dtype bf16)."""
+    max_model_len: int | None = None
+    """vllm: prompt + completion tokens per sequence; null: data.max_prompt_length (else the longest prompt in the
+    data) + max_completion_length."""
+    gpu_memory_utilization: float = 0.5
+    """vllm on CUDA: the share of GPU memory the colocated engine may take (weights and KV cache)."""
+    kv_cache_gb: float | None = None
+    """vllm on CPU: KV-cache memory in GiB; null: room for generation_batch_size full-length sequences."""
+    sync_timeout: float = 120.0
+    """vllm: seconds a weight push may take before the run stops with an error."""
+    parity_every: int = 1
+    """vllm: every N steps compare the engine's sampling log-probs with the trainer's on the same tokens (logged
+    as rollout/logp_diff_*); 0 never."""
+    parity_threshold: float | None = None
+    """vllm: stop when the mean absolute log-prob difference exceeds this (the engine is not running the
+    trainer's weights); null: 0.05 nats, or 0.1 when the engine's precision differs from the trainer's."""
     num_generations: int = 8
     """K: the group size, rollouts per question (an experiential question's replay is one of them)."""
     max_completion_length: int = 8192
@@ -91,6 +109,13 @@ class RolloutConfig:
     """0 disables top-k."""
     generation_batch_size: int = 256
     """Sequences per generate call (memory bound)."""
+    zero_variance: Literal["keep", "backfill", "replace_from_buffer"] = "keep"
+    """Groups whose K rewards are all equal (no gradient): keep them with A = 0 (released); backfill: drop them and
+    roll out further fresh questions until B informative groups or max_generation_rounds (DAPO's dynamic
+    sampling); replace_from_buffer: in the mixed phase refill their slots with experiential questions (fresh
+    ones once the buffer has no unused question; in the warm-up it backfills)."""
+    max_generation_rounds: int = 3
+    """backfill, replace_from_buffer: rounds of generation per step at most (the first included)."""
 
 
 @dataclass
@@ -136,6 +161,12 @@ class ObjectiveConfig:
     """Constant of sum_constant aggregation; null means max_completion_length (released)."""
     entropy_coef: float = 0.001
     """Weight of the entropy bonus: minus this times the token-mean entropy of each mini-batch."""
+    engine_correction: Literal["auto", "none", "tis"] = "auto"
+    """Correct for an engine that samples from a slightly different distribution than the trainer computes
+    (another precision or kernels): tis weights each fresh token's loss by min(pi_trainer_old / pi_engine, tis_cap)
+    (truncated importance sampling); auto is tis when the vllm engine's precision differs from the trainer's."""
+    tis_cap: float = 2.0
+    """The truncation C of the tis weight."""
     loss_scale: Literal["global", "per_rank"] = "global"
     """global: the update equals one process's over the whole mini-batch, whatever the number of ranks.
     per_rank: the released code's scale (spec §4.3): each rank's loss over its own share, gradients averaged
@@ -147,6 +178,13 @@ class ObjectiveConfig:
 class ExperienceConfig:
     ratio: float = 0.5
     """Fraction of each batch's questions drawn from the buffer; 0 gives plain GRPO."""
+    policy: Literal["exgrpo", "rlep", "prioritized", "prompt_replay"] = "exgrpo"
+    """The replay policy (docs/replay.md): exgrpo (buckets + one replayed trajectory per experiential group), rlep
+    (every fresh question with stored successes replays one; no experiential questions), prioritized (re-ask
+    questions with priority p(1-p), all members fresh), prompt_replay (re-ask bucket-sampled questions, all
+    members fresh)."""
+    retest_every: int = 10
+    """prioritized: every N-th step re-asks questions whose success rate is 0 or 1 (priority 0) instead."""
     start_threshold: float = 0.35
     """Switch to the mixed phase once batch Pass@1 > this (strict)."""
     bucket_scheme: Literal["normal", "linear", "sqrt", "linear_clip", "uniform"] = "normal"
@@ -173,6 +211,21 @@ class ExperienceConfig:
     """Hold at most N questions, evicting the least recently updated; null is unbounded (released)."""
     selection_batch_size: int = 32
     """Candidates per no-grad scoring forward."""
+
+
+@dataclass
+class GuidanceConfig:
+    field: str | None = None
+    """External guidance (LUFFY, arXiv 2504.14945; docs/replay.md): the dataset column holding reference
+    solutions (a string or a list of strings per row; missing or empty: none for that question); null: off."""
+    members: int = 1
+    """Demonstrations per group at most (the other members are fresh rollouts); 1 .. num_generations - 1."""
+    mode: Literal["always", "fallback"] = "always"
+    """always: every fresh group of a question with demonstrations gets them, from step 0 (LUFFY); fallback: only
+    while the policy has not solved the question itself (no correct rollout of its own yet in this run)."""
+    gamma: float = 0.1
+    """Shaping of demonstration tokens: the loss weighs them by f(pi) = pi / (pi + gamma), pi the current policy's
+    probability of the token (their behaviour probability is unknown)."""
 
 
 @dataclass
@@ -273,6 +326,8 @@ class ExGRPOConfig:
     """Advantages and the mixed-policy loss."""
     experience: ExperienceConfig = field(default_factory=ExperienceConfig)
     """Experience management: delayed start, buckets, replay selection, buffer bounds."""
+    guidance: GuidanceConfig = field(default_factory=GuidanceConfig)
+    """External guidance: reference solutions from the data as off-policy group members."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Batching, optimizer, schedule, seeds, checkpoints."""
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -310,43 +365,86 @@ def _check_finite(node, prefix: str) -> None:
 
 def _rules(cfg: ExGRPOConfig):
     """(condition, message) pairs, in field order; the first false one is reported."""
-    m, d, ro, rw, o, e, t, ev, lg = (cfg.model, cfg.data, cfg.rollout, cfg.reward, cfg.objective, cfg.experience,
-                                     cfg.train, cfg.eval, cfg.logging)
-    K, B = ro.num_generations, t.prompts_per_step
-    rbound = K - 1 if e.rbound is None else e.rbound
+    for section in (_model_and_data_rules, _rollout_rules, _reward_and_objective_rules, _experience_rules,
+                    _guidance_rules, _train_eval_and_logging_rules):
+        yield from section(cfg)
 
-    def at_least(where: str, value, low) -> tuple[bool, str]:
-        return value >= low, f"{where} must be >= {low} (got {value})"
 
-    def positive(where: str, value) -> tuple[bool, str]:
-        return value > 0, f"{where} must be > 0 (got {value})"
+def _at_least(where: str, value, low) -> tuple[bool, str]:
+    return value >= low, f"{where} must be >= {low} (got {value})"
 
-    def optional_at_least(where: str, value, low) -> tuple[bool, str]:
-        return value is None or value >= low, f"{where} must be null or >= {low} (got {value})"
 
-    def text(where: str, value) -> tuple[bool, str]:
-        return bool(value and value.strip()), f"{where} must be a non-empty string"
+def _positive(where: str, value) -> tuple[bool, str]:
+    return value > 0, f"{where} must be > 0 (got {value})"
 
+
+def _optional_at_least(where: str, value, low) -> tuple[bool, str]:
+    return value is None or value >= low, f"{where} must be null or >= {low} (got {value})"
+
+
+def _text(where: str, value) -> tuple[bool, str]:
+    return bool(value and value.strip()), f"{where} must be a non-empty string"
+
+
+def _model_and_data_rules(cfg: ExGRPOConfig):
+    """model.*, data.*"""
+    m, d = cfg.model, cfg.data
     lora = m.lora
-    yield text("model.name", m.name)
+    yield _text("model.name", m.name)
     if lora is not None:
-        yield at_least("model.lora.r", lora.r, 1)
-        yield positive("model.lora.alpha", lora.alpha)
+        yield _at_least("model.lora.r", lora.r, 1)
+        yield _positive("model.lora.alpha", lora.alpha)
         yield 0 <= lora.dropout < 1, f"model.lora.dropout must be in [0, 1) (got {lora.dropout})"
-        yield text("model.lora.target_modules", lora.target_modules)
-    yield text("data.train", d.train)
-    yield text("data.split", d.split)
-    yield optional_at_least("data.limit", d.limit, 1)
-    yield at_least("data.holdout", d.holdout, 0)
+        yield _text("model.lora.target_modules", lora.target_modules)
+    yield _text("data.train", d.train)
+    yield _text("data.split", d.split)
+    yield _optional_at_least("data.limit", d.limit, 1)
+    yield _at_least("data.holdout", d.holdout, 0)
     yield d.eval is None or bool(d.eval.strip()), "data.eval must be null or a non-empty string"
-    yield at_least("rollout.num_generations", K, 2)
-    yield at_least("rollout.max_completion_length", ro.max_completion_length, 1)
+
+
+def _rollout_rules(cfg: ExGRPOConfig):
+    """rollout.* (and the engine's interplay with objective and experience)"""
+    ro, o, e = cfg.rollout, cfg.objective, cfg.experience
+    K = cfg.rollout.num_generations
+    yield _at_least("rollout.num_generations", K, 2)
+    yield _at_least("rollout.max_completion_length", ro.max_completion_length, 1)
     yield ro.temperature > 0, f"rollout.temperature must be > 0 (got {ro.temperature}; GRPO groups need sampling)"
     yield 0 < ro.top_p <= 1, f"rollout.top_p must be in (0, 1] (got {ro.top_p})"
-    yield at_least("rollout.top_k", ro.top_k, 0)
-    yield at_least("rollout.generation_batch_size", ro.generation_batch_size, 1)
-    yield at_least("reward.workers", rw.workers, 0)
-    yield positive("reward.timeout", rw.timeout)
+    yield _at_least("rollout.top_k", ro.top_k, 0)
+    yield _at_least("rollout.generation_batch_size", ro.generation_batch_size, 1)
+    yield _optional_at_least("rollout.max_model_len", ro.max_model_len, 2)
+    yield 0 < ro.gpu_memory_utilization <= 1, \
+        f"rollout.gpu_memory_utilization must be in (0, 1] (got {ro.gpu_memory_utilization})"
+    yield ro.kv_cache_gb is None or ro.kv_cache_gb > 0, \
+        f"rollout.kv_cache_gb must be null or > 0 (got {ro.kv_cache_gb})"
+    yield _positive("rollout.sync_timeout", ro.sync_timeout)
+    yield _at_least("rollout.parity_every", ro.parity_every, 0)
+    yield ro.parity_threshold is None or ro.parity_threshold > 0, \
+        f"rollout.parity_threshold must be null or > 0 (got {ro.parity_threshold})"
+    yield ro.engine == "hf" or (ro.top_p == 1 and ro.top_k == 0), \
+        ("rollout.engine vllm reports log-probs renormalised over the top-p/top-k set, which the trainer does not "
+         "use: it needs rollout.top_p 1 and rollout.top_k 0")
+    yield ro.engine == "vllm" or (ro.engine_dtype == "auto" and ro.max_model_len is None and ro.kv_cache_gb is None
+                                  and o.engine_correction == "auto"), \
+        ("rollout.engine_dtype, max_model_len, kv_cache_gb and objective.engine_correction apply to rollout.engine "
+         "vllm only")
+    yield not (o.engine_correction == "none" and engine_precision(cfg) != compute_precision(cfg)), \
+        (f"the vllm engine samples in {engine_precision(cfg)} but the trainer computes in {compute_precision(cfg)}: "
+         "its log-probs differ, so objective.engine_correction must not be none (use tis or auto)")
+    yield o.tis_cap >= 1, f"objective.tis_cap must be >= 1 (got {o.tis_cap})"
+    yield _at_least("rollout.max_generation_rounds", ro.max_generation_rounds, 1)
+    yield ro.zero_variance != "keep" or ro.max_generation_rounds == 3, \
+        "rollout.max_generation_rounds applies to rollout.zero_variance backfill or replace_from_buffer only"
+    yield ro.zero_variance != "replace_from_buffer" or e.ratio > 0, \
+        "rollout.zero_variance replace_from_buffer needs a buffer: experience.ratio must be > 0"
+
+
+def _reward_and_objective_rules(cfg: ExGRPOConfig):
+    """reward.*, objective.*"""
+    rw, o = cfg.reward, cfg.objective
+    yield _at_least("reward.workers", rw.workers, 0)
+    yield _positive("reward.timeout", rw.timeout)
     yield rw.min_value < rw.max_value, \
         f"reward.min_value ({rw.min_value}) must be < reward.max_value ({rw.max_value})"
     yield rw.min_value < rw.success_threshold <= rw.max_value, \
@@ -357,17 +455,24 @@ def _rules(cfg: ExGRPOConfig):
     yield not rw.think_gate or (rw.grader == "math" and rw.function is None), \
         "reward.think_gate applies to the math grader only (reward.grader: math, no reward.function)"
     yield 0 <= o.epsilon_low < 1, f"objective.epsilon_low must be in [0, 1) (got {o.epsilon_low})"
-    yield at_least("objective.epsilon_high", o.epsilon_high, 0)
-    yield positive("objective.beta", o.beta)
+    yield _at_least("objective.epsilon_high", o.epsilon_high, 0)
+    yield _positive("objective.beta", o.beta)
     yield o.normalizer is None or o.normalizer > 0, f"objective.normalizer must be null or > 0 (got {o.normalizer})"
     yield o.normalizer is None or o.aggregation == "sum_constant", \
         f"objective.normalizer is used by aggregation sum_constant only (aggregation is {o.aggregation!r})"
+
+
+def _experience_rules(cfg: ExGRPOConfig):
+    """experience.*"""
+    e = cfg.experience
+    K, B = cfg.rollout.num_generations, cfg.train.prompts_per_step
+    rbound = K - 1 if e.rbound is None else e.rbound
     yield 0 <= e.ratio <= 1, f"experience.ratio must be in [0, 1] (got {e.ratio})"
     yield e.ratio == 0 or math.floor(B * e.ratio + 1e-9) >= 1, \
         (f"experience.ratio ({e.ratio}) x train.prompts_per_step ({B}) < 1: no batch could hold an experiential "
          "question (use ratio 0 for GRPO)")
     yield 0 <= e.start_threshold < 1, f"experience.start_threshold must be in [0, 1) (got {e.start_threshold})"
-    yield positive("experience.bucket_sigma", e.bucket_sigma)
+    yield _positive("experience.bucket_sigma", e.bucket_sigma)
     yield e.bucket_mean is None or 1 <= e.bucket_mean <= K - 1, \
         f"experience.bucket_mean must be null or in [1, num_generations-1 = {K - 1}] (got {e.bucket_mean})"
     yield e.bucket_scheme == "normal" or (e.bucket_mean is None and e.bucket_sigma == 1.0), \
@@ -375,41 +480,75 @@ def _rules(cfg: ExGRPOConfig):
     yield 0 <= e.lbound < rbound <= K - 1, \
         (f"experience.lbound ({e.lbound}) < experience.rbound ({rbound}) <= num_generations-1 ({K - 1}) must hold, "
          "with lbound >= 0")
-    yield optional_at_least("experience.max_trajectories_per_question", e.max_trajectories_per_question, 1)
-    yield optional_at_least("experience.max_questions", e.max_questions, 1)
-    yield at_least("experience.selection_batch_size", e.selection_batch_size, 1)
-    yield at_least("train.steps", t.steps, 1)
-    yield at_least("train.prompts_per_step", B, 1)
-    yield at_least("train.mini_batches", t.mini_batches, 1)
+    yield _optional_at_least("experience.max_trajectories_per_question", e.max_trajectories_per_question, 1)
+    yield _optional_at_least("experience.max_questions", e.max_questions, 1)
+    yield _at_least("experience.selection_batch_size", e.selection_batch_size, 1)
+    yield _at_least("experience.retest_every", e.retest_every, 0)
+    yield e.policy == "prioritized" or e.retest_every == 10, \
+        "experience.retest_every applies to experience.policy prioritized only"
+    yield e.policy == "exgrpo" or e.ratio > 0, \
+        (f"experience.policy {e.policy} does nothing with experience.ratio 0 (plain GRPO): the mixed "
+         "phase, where replay policies act, needs experience.ratio > 0")
+
+
+def _guidance_rules(cfg: ExGRPOConfig):
+    """guidance.*"""
+    g, K = cfg.guidance, cfg.rollout.num_generations
+    yield g.field is None or bool(g.field.strip()), "guidance.field must be null or a column name"
+    yield 1 <= g.members <= K - 1, \
+        f"guidance.members must be in [1, num_generations - 1 = {K - 1}] (got {g.members})"
+    yield _positive("guidance.gamma", g.gamma)
+    yield g.field is not None or (g.members == 1 and g.mode == "always" and g.gamma == 0.1), \
+        "guidance.members, mode and gamma apply only with guidance.field set"
+
+
+def _train_eval_and_logging_rules(cfg: ExGRPOConfig):
+    """train.*, eval.*, logging.*"""
+    m, d, t, ev, lg = cfg.model, cfg.data, cfg.train, cfg.eval, cfg.logging
+    B = cfg.train.prompts_per_step
+    yield _at_least("train.steps", t.steps, 1)
+    yield _at_least("train.prompts_per_step", B, 1)
+    yield _at_least("train.mini_batches", t.mini_batches, 1)
     yield B % t.mini_batches == 0, \
         (f"train.prompts_per_step ({B}) must be divisible by train.mini_batches ({t.mini_batches}): each "
          "mini-batch holds whole groups")
-    yield at_least("train.micro_batch_size", t.micro_batch_size, 1)
-    yield optional_at_least("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch, 1)
-    yield optional_at_least("train.logprob_chunk_tokens", t.logprob_chunk_tokens, 1)
+    yield _at_least("train.micro_batch_size", t.micro_batch_size, 1)
+    yield _optional_at_least("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch, 1)
+    yield _optional_at_least("train.logprob_chunk_tokens", t.logprob_chunk_tokens, 1)
     yield t.dtype == "fp32" or m.dtype == "float32", \
         f"train.dtype bf16 keeps fp32 master weights: it needs model.dtype float32 (got {m.dtype!r})"
-    yield optional_at_least("data.max_prompt_length", d.max_prompt_length, 1)
+    yield _optional_at_least("data.max_prompt_length", d.max_prompt_length, 1)
     yield 0 < t.learning_rate <= 1, f"train.learning_rate must be in (0, 1] for AdamW (got {t.learning_rate})"
-    yield at_least("train.weight_decay", t.weight_decay, 0)
+    yield _at_least("train.weight_decay", t.weight_decay, 0)
     yield 0 <= t.adam_beta1 < 1, f"train.adam_beta1 must be in [0, 1) (got {t.adam_beta1})"
     yield 0 <= t.adam_beta2 < 1, f"train.adam_beta2 must be in [0, 1) (got {t.adam_beta2})"
     yield 0 <= t.warmup_steps <= t.steps * t.mini_batches, \
         (f"train.warmup_steps must be in [0, train.steps x train.mini_batches = {t.steps * t.mini_batches}] "
          f"optimizer steps (got {t.warmup_steps})")
-    yield positive("train.max_grad_norm", t.max_grad_norm)
-    yield positive("train.skip_grad_norm", t.skip_grad_norm)
-    yield at_least("train.max_skipped_updates", t.max_skipped_updates, 0)
-    yield at_least("train.seed", t.seed, 0)
-    yield at_least("train.save_every", t.save_every, 0)
-    yield at_least("train.save_total_limit", t.save_total_limit, 1)
-    yield at_least("train.threads", t.threads, 0)
-    yield at_least("eval.every", ev.every, 0)
-    yield at_least("eval.samples", ev.samples, 1)
-    yield positive("eval.temperature", ev.temperature)
-    yield optional_at_least("eval.max_questions", ev.max_questions, 1)
-    yield text("logging.output_dir", lg.output_dir)
-    yield at_least("logging.sample_every", lg.sample_every, 0)
+    yield _positive("train.max_grad_norm", t.max_grad_norm)
+    yield _positive("train.skip_grad_norm", t.skip_grad_norm)
+    yield _at_least("train.max_skipped_updates", t.max_skipped_updates, 0)
+    yield _at_least("train.seed", t.seed, 0)
+    yield _at_least("train.save_every", t.save_every, 0)
+    yield _at_least("train.save_total_limit", t.save_total_limit, 1)
+    yield _at_least("train.threads", t.threads, 0)
+    yield _at_least("eval.every", ev.every, 0)
+    yield _at_least("eval.samples", ev.samples, 1)
+    yield _positive("eval.temperature", ev.temperature)
+    yield _optional_at_least("eval.max_questions", ev.max_questions, 1)
+    yield _text("logging.output_dir", lg.output_dir)
+    yield _at_least("logging.sample_every", lg.sample_every, 0)
+
+
+def compute_precision(cfg: ExGRPOConfig) -> str:
+    """The dtype the trainer's forward passes run in."""
+    return "bfloat16" if cfg.train.dtype == "bf16" else cfg.model.dtype
+
+
+def engine_precision(cfg: ExGRPOConfig) -> str:
+    """The dtype rollouts are sampled in (the hf engine samples with the trainer's own forward)."""
+    r = cfg.rollout
+    return r.engine_dtype if r.engine == "vllm" and r.engine_dtype != "auto" else compute_precision(cfg)
 
 
 # Changing these on resume leaves the algorithm as it was: length, bookkeeping, memory, speed and sharding.
@@ -417,7 +556,9 @@ RESUMABLE_CHANGES = ("train.steps", "train.save_every", "train.save_total_limit"
                      "train.check_replicas", "train.max_skipped_updates", "train.micro_batch_size",
                      "train.max_tokens_per_micro_batch", "train.logprob_chunk_tokens", "train.activation_checkpointing",
                      "train.sharding",
-                     "rollout.generation_batch_size", "experience.selection_batch_size", "reward.workers",
+                     "rollout.generation_batch_size", "rollout.gpu_memory_utilization", "rollout.kv_cache_gb",
+                     "rollout.sync_timeout", "rollout.parity_every", "rollout.parity_threshold",
+                     "experience.selection_batch_size", "reward.workers",
                      "reward.timeout", "eval.", "logging.")
 
 

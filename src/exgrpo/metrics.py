@@ -73,12 +73,36 @@ METRICS: tuple[Metric, ...] = tuple(
                                 "when fresh tokens are not clipped (mixed phase, unless `clip_after_switch`)."),
         ("clip_ratio/high_mean", "Fraction of fresh tokens with r > 1 + ε_high and A > 0 (PPO-clipped from above)."),
         ("clip_ratio/region_mean", "`clip_ratio/low_mean` + `clip_ratio/high_mean`."),
+        ("tis/weight_mean", "Mean truncated-IS weight min(pi_old / pi_engine, objective.tis_cap) of fresh tokens (only "
+                            "with the engine correction on)."),
+        ("tis/weight_min", "Smallest truncated-IS weight of the step's fresh tokens."),
         ("replay/ratio_mean", "Mean of w = π_θ / π_recorded over replayed tokens (π_recorded: the behaviour "
                               "log-probs stored with the trajectory). Only in steps that replay."),
         ("replay/ratio_min", "Minimum of w over replayed tokens."),
         ("replay/ratio_max", "Maximum of w over replayed tokens."),
         ("replay/shaped_weight_mean", "Mean of the policy-shaped weight f(w) = w / (w + β) over replayed tokens (w "
                                       "itself with `objective.policy_shaping: false`)."),
+    ) + _section(
+        "Generation rounds (`rollout.zero_variance`)",
+        ("generation/rounds", "Rounds of generation in the step (1 with `keep`)."),
+        ("generation/rollouts", "Fresh rollouts sampled in the step over all rounds, dropped groups included."),
+        ("generation/zero_variance_fraction", "Zero-variance groups / all groups rolled out in the step (before "
+                                              "dropping)."),
+        ("generation/informative_groups", "Groups of the step with unequal rewards (the ones trained on, unless "
+                                          "`keep`)."),
+        ("generation/rollouts_per_informative_group", "`generation/rollouts` / `generation/informative_groups`: "
+                                                      "the rollout cost of one group with a gradient."),
+    ) + _section(
+        "External guidance (with `guidance.field`)",
+        ("guidance/demonstrations", "Reference solutions from the data among the step's group members."),
+        ("guidance/demonstration_reward", "Their mean reward (the verifier grades them like rollouts); NaN "
+                                          "without any."),
+    ) + _section(
+        "Rollout engine (vllm)",
+        ("rollout/logp_diff_mean", "Mean |log pi_engine - log pi_trainer| over the step's sampled tokens (the parity "
+                                   "probe, every `rollout.parity_every` steps): about 1e-5 in fp32 when the engine "
+                                   "runs the trainer's weights; above `rollout.parity_threshold` the run stops."),
+        ("rollout/logp_diff_max", "The largest such difference."),
     ) + _section(
         "Experience buffer (after the step)",
         ("experience/questions", "Questions holding at least one stored trajectory: the set experiential "
@@ -141,7 +165,7 @@ def step_metrics(phase: str, groups: Sequence[Group], rewards: GroupRewards, cor
                  timings: dict[str, float], elapsed: float) -> dict:
     """The metrics of one step (see METRICS); `correct` is (G, K), `timings` the `time/<stage>` seconds."""
     lengths = batch.completion_mask.sum(-1)
-    truncated = [m.truncated for g in groups for m in g.members if m.replay is None]
+    truncated = [m.truncated for g in groups for m in g.members if m.replay is None and not m.demonstration]
     group_std = rewards.total.std(axis=1)
     n_exp = sum(g.members[0].replay is not None for g in groups)
     return {
@@ -170,6 +194,13 @@ def step_metrics(phase: str, groups: Sequence[Group], rewards: GroupRewards, cor
         **timings,
         **update_stats,
     }
+
+
+def guidance_metrics(groups: Sequence[Group], total: np.ndarray) -> dict[str, float]:
+    """guidance/*: how many demonstrations the step's groups held and how they were graded ((G, K) `total`)."""
+    rewards = [total[gi, j] for gi, g in enumerate(groups) for j, m in enumerate(g.members) if m.demonstration]
+    return {"guidance/demonstrations": float(len(rewards)),
+            "guidance/demonstration_reward": float(np.mean(rewards)) if rewards else float("nan")}
 
 
 def _nanmean(values: np.ndarray) -> float:

@@ -43,6 +43,14 @@ def policy_shaping(w: torch.Tensor, beta: float = 0.1) -> torch.Tensor:
     return w / (w + beta)
 
 
+def truncated_importance_weights(old_logp: torch.Tensor, engine_logp: torch.Tensor, engine_mask: torch.Tensor,
+                                 cap: float) -> torch.Tensor:
+    """(B, T) min(pi_old / pi_engine, cap) where the engine sampled the token (1 elsewhere), detached: the
+    correction of a rollout engine whose distribution differs slightly from the trainer's (truncated IS)."""
+    w = torch.exp(old_logp - engine_logp).clamp(max=cap)
+    return torch.where(engine_mask, w, torch.ones_like(w)).detach()
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
@@ -58,6 +66,7 @@ class LossSettings:
     normalizer: float = 8192.0  # the constant of "sum_constant" (released: max completion length)
     entropy_coef: float = 0.001
     entropy_per_micro_batch: bool = False  # the bonus over each micro-batch's own tokens, summed (released)
+    guidance_gamma: float = 0.1  # shaping constant of demonstration tokens: f(pi) = pi / (pi + gamma)
 
 
 def token_losses(
@@ -67,6 +76,7 @@ def token_losses(
     advantages: torch.Tensor,
     replay_mask: torch.Tensor,
     settings: LossSettings,
+    demonstration_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token policy-gradient losses (B, T) and the per-token quantities behind them.
 
@@ -76,6 +86,8 @@ def token_losses(
         recorded_logp: (B, T) behaviour log-probs recorded at collection (replayed tokens' ratio).
         advantages: (B,) one advantage per sequence.
         replay_mask: (B, T) bool, True on replayed tokens.
+        demonstration_mask: (B, T) bool, True on external demonstrations' tokens (a subset of replay_mask): no
+            behaviour probability exists, so they are weighted by LUFFY's f(pi) = pi / (pi + gamma) instead.
     """
     adv = advantages.unsqueeze(-1)
     ratio = torch.exp(logp - old_logp)
@@ -86,6 +98,8 @@ def token_losses(
         fresh = -ratio * adv
     w = torch.exp(logp - recorded_logp)
     shaped = policy_shaping(w, settings.beta) if settings.shaping else w
+    if demonstration_mask is not None:
+        shaped = torch.where(demonstration_mask, policy_shaping(torch.exp(logp), settings.guidance_gamma), shaped)
     replay = -shaped * adv
     losses = torch.where(replay_mask, replay, fresh)
     return losses, {"ratio": ratio, "w": w, "shaped": shaped}
@@ -126,6 +140,8 @@ def mixed_policy_loss(
     entropy: torch.Tensor | None = None,
     total_tokens: float | None = None,
     total_sequences: float | None = None,
+    engine_weight: torch.Tensor | None = None,
+    demonstration_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The ExGRPO loss of a (micro-)batch and detached statistics.
 
@@ -135,6 +151,8 @@ def mixed_policy_loss(
         mask: (B, T) 1 on completion tokens.
         replay_mask: (B, T) bool, True on replayed tokens (a subset of mask).
         entropy: (B, T) current-policy token entropies, for the bonus -entropy_coef * token-mean entropy.
+        engine_weight: (B, T) weights of fresh tokens' losses (`truncated_importance_weights`), or None.
+        demonstration_mask: (B, T) external demonstrations' tokens (see `token_losses`), or None.
         total_tokens / total_sequences: mini-batch totals when this is one micro-batch of it. The entropy
             bonus is a token mean over the whole mini-batch, or with `entropy_per_micro_batch` over this
             micro-batch's tokens (so micro-batch bonuses add up, as released: spec §4.3).
@@ -144,7 +162,11 @@ def mixed_policy_loss(
     mask = mask.to(logp.dtype)
     replay_mask = replay_mask.bool() & mask.bool()
     fresh_mask = mask * (~replay_mask).to(mask.dtype)
-    losses, parts = token_losses(logp, old_logp, recorded_logp, advantages, replay_mask, settings)
+    losses, parts = token_losses(logp, old_logp, recorded_logp, advantages, replay_mask, settings,
+                                 demonstration_mask)
+    if engine_weight is not None:
+        losses = torch.where(replay_mask, losses, losses * engine_weight)
+        parts["engine_weight"] = engine_weight
     loss = aggregate(losses, mask, settings, total_tokens, total_sequences)
     whole = total_tokens is None or settings.entropy_per_micro_batch
     n_tokens = mask.sum() if whole else torch.tensor(float(total_tokens))
@@ -171,6 +193,9 @@ def _stats(parts, advantages, mask, fresh_mask, replay_mask, settings, entropy) 
             "clip_ratio/high_mean": float(high.float().mean()) if settings.clip_fresh else 0.0,
             "clip_ratio/region_mean": float((low | high).float().mean()) if settings.clip_fresh else 0.0,
         })
+        if "engine_weight" in parts:
+            ew = parts["engine_weight"][fresh]
+            stats.update({"tis/weight_mean": float(ew.mean()), "tis/weight_min": float(ew.min())})
     if replay_mask.any():
         wr = w[replay_mask]
         stats.update({
@@ -196,7 +221,7 @@ def merge_stats(parts: list[dict[str, float]]) -> dict[str, float]:
         elif key.endswith("_max") or key.endswith("/max"):
             merged[key] = max(p[key] for p in present)
         else:
-            if key.startswith(("ratio/", "clip_ratio/")):
+            if key.startswith(("ratio/", "clip_ratio/", "tis/")):
                 weights = [p["fresh_tokens"] for p in present]
             elif key.startswith("replay/"):
                 weights = [p["replay_tokens"] for p in present]

@@ -24,6 +24,10 @@ class PackedBatch:
     completion_mask: (N, T) float, 1 on completion tokens.
     replay_mask: (N, T) bool, True on the tokens of replayed (stored) trajectories.
     recorded_logp: (N, T) float, the behaviour log-probs stored with replayed trajectories (0 elsewhere).
+    engine_logp, engine_mask: (N, T) the rollout engine's log-probs of the sampled tokens and where it reported
+        them (fresh rollouts of an engine that reports log-probs); None otherwise.
+    demonstration_mask: (N, T) bool, True on the tokens of external demonstrations (a subset of replay_mask);
+        None when the batch has none.
     """
 
     input_ids: torch.Tensor
@@ -33,6 +37,9 @@ class PackedBatch:
     completion_mask: torch.Tensor
     replay_mask: torch.Tensor
     recorded_logp: torch.Tensor
+    engine_logp: torch.Tensor | None = None
+    engine_mask: torch.Tensor | None = None
+    demonstration_mask: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

@@ -28,6 +28,7 @@ class Run:
     grading_pool: GradingPool
 
     def close(self) -> None:
+        self.trainer.engine.close()
         self.grading_pool.close()
 
 

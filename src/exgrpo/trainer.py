@@ -1,10 +1,13 @@
 """The ExGRPO training loop (spec §1). `ExGRPOTrainer.train_step` is the algorithm, one line per stage:
 
-  1. sample experiential questions from the buffer's correctness buckets (mixed phase only);
-  2. select, for each, the stored trajectory to replay (lowest mean token entropy under the current policy);
-  3. draw exactly B - n_exp fresh questions; form the groups (a replay is member 0 of its group);
-  4. roll out K fresh samples per fresh question, K-1 per experiential one;
-  5. score every member with the reward functions; 6. retire questions whose group is K/K correct;
+  1. sample experiential questions from the buffer's correctness buckets (mixed phase only; the replay policy,
+     `experience.policy`, decides which);
+  2. draw exactly B - n_exp fresh questions; form the groups, selecting for each experiential question the stored
+     trajectory to replay (lowest mean token entropy under the current policy) as member 0, and adding the
+     data's reference solutions where `guidance` asks for them;
+  3-6. `generate`: roll out the remaining members (K - 1 per experiential question), score every member with
+     the reward functions, retire questions whose group is K/K correct; with `rollout.zero_variance` backfill or
+     replace_from_buffer, drop groups whose rewards are all equal and refill their slots;
   7. pack the groups into tensors; 8. advantages R - mean over each group;
   9. update: M mini-batches of the mixed-policy loss (pre-update log-probs = behaviour log-probs);
   10. collect the groups into the buffer (mixed phase only); 11. switch to the mixed phase once batch Pass@1 >
@@ -30,15 +33,17 @@ import torch
 
 from exgrpo.atomic import write_text_atomic
 from exgrpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from exgrpo.config import ConfigError, ExGRPOConfig
+from exgrpo.config import ConfigError, ExGRPOConfig, compute_precision, engine_precision
 from exgrpo.data import PromptEncoder, Question
 from exgrpo.distributed import Distributed, init_distributed, shard
-from exgrpo.errors import ExgrpoWarning, RunDirectoryError
+from exgrpo.errors import ExgrpoWarning, RunDirectoryError, TrainingError
 from exgrpo.evaluation.contamination import screen_benchmark_questions
 from exgrpo.evaluation.heldout import Accuracy, evaluate_accuracy
-from exgrpo.experience import ExperienceBuffer, Trajectory, num_experiential, sample_questions, select_replays
-from exgrpo.groups import Group, GroupRewards, Member, form_groups, pack_groups, score_groups
-from exgrpo.metrics import step_metrics
+from exgrpo.experience import ExperienceBuffer, Trajectory, build_replay_policy, num_experiential, select_replays
+from exgrpo.groups import (Generation, Group, GroupRewards, Member, form_groups, pack_groups, score_groups,
+                           zero_variance)
+from exgrpo.guidance import demonstration_ids
+from exgrpo.metrics import guidance_metrics, step_metrics
 from exgrpo.models import save_model
 from exgrpo.objective import group_advantages
 from exgrpo.policy import PackedBatch, candidate_scores
@@ -113,7 +118,6 @@ class ExGRPOTrainer:
         if groups_per_mini_batch < self.dist.world_size:
             raise ValueError(f"train.prompts_per_step / train.mini_batches = {groups_per_mini_batch} questions per "
                              f"mini-batch cannot be shared by {self.dist.world_size} data-parallel ranks")
-        self.engine = engine or build_engine(c.rollout, model, tokenizer)
         self.sampling = SamplingSettings(c.rollout.max_completion_length, c.rollout.temperature,
                                          c.rollout.top_p, c.rollout.top_k)
         self.prompt_ids = PromptEncoder(tokenizer, remove_system=c.data.remove_system,
@@ -121,16 +125,37 @@ class ExGRPOTrainer:
         if c.data.max_prompt_length:
             train_dataset = self._drop_long_prompts(train_dataset, "training")
             self.eval_dataset = self._drop_long_prompts(self.eval_dataset, "held-out")
+        self.engine = engine or build_engine(c, model, tokenizer, lambda: c.data.max_prompt_length or max(
+            (len(self.prompt_ids(q)) for q in [*train_dataset, *self.eval_dataset]), default=0))
         e = c.experience
         self.buffer = ExperienceBuffer(self.K, e.lbound, e.rbound, e.max_trajectories_per_question, e.max_questions)
         self.pool = QuestionPool(train_dataset, c.train.seed, retirement=self.buffer)
+        self.demonstrations = self._load_demonstrations(train_dataset)
+        self.solved: set[str] = set()  # questions with a correct rollout of the policy's own (guidance fallback)
+        self.replay_policy = build_replay_policy(e.policy, self.buffer, self.K, e.bucket_scheme, e.bucket_sigma,
+                                                 e.bucket_mean, e.retest_every)
+        mismatch = c.rollout.engine == "vllm" and engine_precision(c) != compute_precision(c)
+        tis = c.objective.engine_correction == "tis" or (c.objective.engine_correction == "auto" and mismatch)
         self.update = PolicyUpdate(model, c.train, self.K, c.rollout.temperature, self.dist,
-                                   loss_scale=c.objective.loss_scale, on_optimizer_step=self.engine.sync_weights)
+                                   loss_scale=c.objective.loss_scale, tis_cap=c.objective.tis_cap if tis else None,
+                                   on_optimizer_step=self.engine.sync_weights)
         self.phase = WARMUP
         self.step = 0
         self._resumed = False
         self.history: list[dict] = []
         self.last_step: StepRecord | None = None
+
+    def _load_demonstrations(self, questions: Sequence[Question]) -> dict[str, list[list[int]]]:
+        """guidance.field: each question's reference solutions as completion token ids (warns about dropped ones)."""
+        c = self.config
+        if not c.guidance.field:
+            return {}
+        limit = c.rollout.max_completion_length
+        demonstrations, dropped = demonstration_ids(questions, c.guidance.field, self.tokenizer, limit)
+        if dropped:
+            warnings.warn(ExgrpoWarning(f"dropped {dropped} demonstrations longer than rollout.max_completion_length "
+                                        f"= {limit} tokens"), stacklevel=3)
+        return demonstrations
 
     def _drop_long_prompts(self, questions: Sequence[Question], which: str) -> list[Question]:
         """data.max_prompt_length: questions whose prompt is longer are dropped (released), with a warning."""
@@ -150,43 +175,71 @@ class ExGRPOTrainer:
         phase = self.phase
         with timer("buffer"):
             experiential = self.sample_experiential(rng) if phase == MIXED else []
-        with timer("selection"):
-            replays = self.select_replays(experiential, rng)
         fresh = self.pool.draw(c.train.prompts_per_step - len(experiential))
-        groups = form_groups(list(zip(experiential, replays)), fresh, self.prompt_ids)
-        with timer("rollout"):
-            self.roll_out(groups)
-        with timer("reward"):
-            rewards = self.score(groups)
+        groups = self.build_groups(experiential, fresh, phase, rng, timer)
+        groups, rewards, generation = self.generate(groups, phase, rng, timer)  # roll out, score, retire
         correct = rewards.total >= c.reward.success_threshold
-        retired_now = self.retire(groups, correct)
         batch = pack_groups(groups, self.tokenizer.pad_token_id)
         advantages = group_advantages(torch.tensor(rewards.total, dtype=torch.float32), c.objective.scale_rewards)
         update = self.update(batch, advantages.reshape(-1),
-                             loss_settings(c.objective, c.rollout.max_completion_length, phase),
+                             loss_settings(c.objective, c.rollout.max_completion_length, phase, c.guidance.gamma),
                              c.experience.importance_correction, np.random.default_rng([c.train.seed, self.step, 2]),
                              timer)
+        parity = self.check_engine_parity(batch, update.behaviour_logp)
         with timer("buffer"):
             if phase == MIXED:
                 self.collect(groups, correct, batch, update.behaviour_logp)
-        self.maybe_switch_phase(float(correct.mean()))
+        self.maybe_switch_phase(generation.first_round_pass_at_1)
         self.step += 1
         self.last_step = StepRecord(phase, groups, rewards, advantages, batch)
         metrics = step_metrics(phase, groups, rewards, correct, batch, update.stats, self.buffer, self.pool.remaining,
-                               self.update.learning_rate, self.update.skipped_updates, retired_now,
+                               self.update.learning_rate, self.update.skipped_updates, generation.retired,
                                timer.metrics(), time.perf_counter() - start)
+        metrics.update(generation.metrics())
+        if self.demonstrations:
+            metrics.update(guidance_metrics(groups, rewards.total))
+        metrics.update(parity)
         if c.train.check_replicas:
             metrics.update(self._check_replicas())
         log_samples = c.logging.sample_every and self.step % c.logging.sample_every == 0
         return metrics, self._samples(groups, rewards.total) if log_samples else []
 
-    def sample_experiential(self, rng: np.random.Generator) -> list[Question]:
-        """n_exp = min(|buffer|, floor(B * ratio)) questions drawn from the correctness buckets."""
+    def sample_experiential(self, rng: np.random.Generator, n: int | None = None,
+                            exclude: frozenset[str] = frozenset()) -> list[Question]:
+        """Up to n (default floor(B * ratio)) questions to re-ask, drawn by the replay policy (ExGRPO: from the
+        correctness buckets), none of them in `exclude`."""
         c = self.config
-        n_exp = num_experiential(len(self.buffer), c.train.prompts_per_step, c.experience.ratio)
-        ids = sample_questions(self.buffer.buckets(), n_exp, rng, self.K, c.experience.bucket_scheme,
-                               c.experience.bucket_sigma, c.experience.bucket_mean)
-        return [self.pool.questions[qid] for qid in ids]
+        if n is None:
+            n = num_experiential(c.train.prompts_per_step, c.train.prompts_per_step, c.experience.ratio)
+        ids = self.replay_policy.experiential(n + len(exclude), rng, self.step)
+        return [self.pool.questions[qid] for qid in ids if qid not in exclude][:n]
+
+    def build_groups(self, experiential: list[Question], fresh: list[Question], phase: str,
+                    rng: np.random.Generator, timer: StageTimer) -> list[Group]:
+        """The step's groups, those whose question replays a stored trajectory first (member 0: the replay)."""
+        policy = self.replay_policy
+        replayed, plain = experiential, fresh
+        if not policy.replays_trajectories:
+            replayed, plain = [], experiential + fresh
+        elif policy.replays_into_fresh and phase == MIXED:
+            replayed = experiential + [q for q in fresh if q.id in self.buffer]
+            plain = [q for q in fresh if q.id not in self.buffer]
+        with timer("selection"):
+            replays = self.select_replays(replayed, rng)
+        groups = form_groups(list(zip(replayed, replays)), plain, self.prompt_ids)
+        self.add_demonstrations(groups)
+        return groups
+
+    def add_demonstrations(self, groups: list[Group]) -> None:
+        """guidance: up to guidance.members reference solutions become the first members of each group without a
+        replay whose question has them (mode fallback: only while the policy has not solved it itself)."""
+        g = self.config.guidance
+        for group in groups:
+            demos = self.demonstrations.get(group.question.id)
+            if not demos or group.members or (g.mode == "fallback" and group.question.id in self.solved):
+                continue
+            group.members = [Member(list(demos[(self.step + j) % len(demos)]), demonstration=True)
+                             for j in range(min(g.members, len(demos)))]
 
     def select_replays(self, questions: Sequence[Question], rng: np.random.Generator) -> list[Trajectory]:
         """For each question, the stored trajectory the selection rule picks under the current policy."""
@@ -208,19 +261,74 @@ class ExGRPOTrainer:
         self.model.train(was_training)
         return self.dist.gather(scores)
 
-    def roll_out(self, groups: list[Group]) -> None:
+    def generate(self, groups: list[Group], phase: str, rng: np.random.Generator,
+                 timer: StageTimer) -> tuple[list[Group], GroupRewards, Generation]:
+        """Roll out, score and retire `groups`. With rollout.zero_variance backfill or replace_from_buffer, groups
+        whose K rewards are all equal are dropped and their slots refilled, for at most max_generation_rounds
+        rounds; retirement sees every group. If no group of the step is informative, the last round's are kept."""
+        c = self.config
+        mode, wanted = c.rollout.zero_variance, len(groups)
+        rounds = 1 if mode == "keep" else c.rollout.max_generation_rounds
+        generation, kept, kept_rewards, asked = Generation(), [], [], set()
+        for _ in range(rounds):
+            sampled = len(groups) * self.K - sum(len(g.members) for g in groups)
+            with timer("rollout"):
+                self.roll_out(groups, first_group=generation.groups)
+            with timer("reward"):
+                rewards = self.score(groups)
+            correct = rewards.total >= c.reward.success_threshold
+            zero = zero_variance(rewards.total)
+            generation.record(groups, sampled, correct, zero, self.retire(groups, correct))
+            self.observe(groups, correct)
+            if mode == "keep":
+                return groups, rewards, generation
+            informative = np.flatnonzero(~zero)
+            kept += [groups[i] for i in informative]
+            kept_rewards.append(rewards.take(informative))
+            asked.update(g.question.id for g in groups)
+            if len(kept) == wanted or generation.rounds == rounds:
+                break
+            refill = self.refill(wanted - len(kept), phase, rng, asked, timer)
+            if not refill:
+                break
+            groups = refill
+        if not kept:
+            return groups, rewards, generation
+        return kept, GroupRewards.concat(kept_rewards), generation
+
+    def observe(self, groups: list[Group], correct: np.ndarray) -> None:
+        """Every rolled-out group's outcome, dropped ones included: to the replay policy, and to the set of
+        questions the policy has solved itself (guidance fallback)."""
+        for g, ok in zip(groups, correct):
+            self.replay_policy.observe(g.question.id, int(ok.sum()), self.step)
+            if any(hit and not m.demonstration for hit, m in zip(ok, g.members)):
+                self.solved.add(g.question.id)
+
+    def refill(self, n: int, phase: str, rng: np.random.Generator, asked: set[str],
+               timer: StageTimer) -> list[Group]:
+        """n groups for dropped slots: with replace_from_buffer in the mixed phase, experiential questions not
+        asked yet this step (with their replays), then fresh questions."""
+        experiential = []
+        if self.config.rollout.zero_variance == "replace_from_buffer" and phase == MIXED:
+            experiential = self.sample_experiential(rng, n, frozenset(asked))
+        return self.build_groups(experiential, self.pool.draw(n - len(experiential)), phase, rng, timer)
+
+    def roll_out(self, groups: list[Group], first_group: int = 0) -> None:
         """Fill every group up to K members with fresh samples. Each rank samples its shard of the groups and
-        every rank receives all of them; request (group g, member j) is seeded by (seed, step, g, j)."""
+        every rank receives all of them; request (group g, member j) is seeded by (seed, step, first_group + g,
+        j), so every group of a step (later rounds included) has its own streams."""
         c, dp = self.config, self.dist
         start, end = dp.shard_bounds(len(groups))
         requests = [(gi, j) for gi in range(start, end) for j in range(len(groups[gi].members), self.K)]
         with self.update.full_weights(), self.update.compute_precision():
             rollouts = self.engine.generate([groups[gi].prompt_ids for gi, _ in requests], self.sampling,
-                                            [derive_seed(c.train.seed, self.step, gi, j) for gi, j in requests])
-        sampled = dp.gather(list(zip(rollouts.completion_ids, rollouts.truncated)))
+                                            [derive_seed(c.train.seed, self.step, first_group + gi, j)
+                                             for gi, j in requests])
+        engine_logprobs = rollouts.logprobs or [None] * len(requests)
+        sampled = dp.gather(list(zip(rollouts.completion_ids, rollouts.truncated, engine_logprobs)))
         slots = [g for g in groups for _ in range(self.K - len(g.members))]
-        for g, (ids, truncated) in zip(slots, sampled):
-            g.members.append(Member(ids, truncated))
+        for g, (ids, truncated, logprobs) in zip(slots, sampled):
+            g.members.append(Member(ids, truncated, engine_logprobs=logprobs))
 
     def score(self, groups: list[Group]) -> GroupRewards:
         """(G, K) rewards; each rank grades its shard of the groups, every rank receives all of them. Unhealthy
@@ -258,7 +366,28 @@ class ExGRPOTrainer:
                 ids.append(np.asarray(m.completion_ids, dtype=np.int32))
                 lps.append(behaviour_logp[row, :lengths[row]].numpy())
                 row += 1
-            self.buffer.update_group(g.question.id, ok.tolist(), ids, lps, step=self.step)  # ignores retired ones
+            # a demonstration counts toward k but is not stored: the buffer holds the policy's own trajectories
+            own = [bool(c) and not m.demonstration for c, m in zip(ok, g.members)]
+            self.buffer.update_group(g.question.id, own, ids, lps, step=self.step)  # ignores retired ones
+
+    def check_engine_parity(self, batch: PackedBatch, behaviour_logp: torch.Tensor) -> dict[str, float]:
+        """The parity probe (rollout.parity_every): the engine's log-probs of what it sampled against the trainer's
+        pre-update log-probs of the same tokens. A large difference means the engine is not running the trainer's
+        weights (a sync that did not happen, a LoRA adapter not applied, a name or dtype mismatch): an error."""
+        r = self.config.rollout
+        if batch.engine_mask is None or not r.parity_every or self.step % r.parity_every:
+            return {}
+        diff = (batch.engine_logp - behaviour_logp).abs()[batch.engine_mask]
+        if diff.numel() == 0:
+            return {}
+        mean, worst = float(diff.mean()), float(diff.max())
+        threshold = r.parity_threshold or (0.05 if engine_precision(self.config) == compute_precision(self.config)
+                                           else 0.1)
+        if mean > threshold:
+            raise TrainingError(f"step {self.step + 1}: the rollout engine's log-probs differ from the trainer's by "
+                                f"{mean:.4f} nats on average (max {worst:.4f}; rollout.parity_threshold "
+                                f"{threshold:g}): the engine is not running the trainer's weights")
+        return {"rollout/logp_diff_mean": mean, "rollout/logp_diff_max": worst}
 
     def maybe_switch_phase(self, pass_at_1: float) -> None:
         """The delayed start: switch for good to the mixed phase once batch Pass@1 > start_threshold (strict)."""
@@ -363,6 +492,7 @@ class ExGRPOTrainer:
         update = self.update.state_dict()
         trainer = {"step": self.step, "phase": self.phase, "pool": self.pool.state_dict(),
                    "optimizer_steps": update.pop("optimizer_steps"), "skipped_updates": update.pop("skipped_updates"),
+                   "replay_policy": self.replay_policy.state_dict(), "solved": sorted(self.solved),
                    "config": self.config.to_dict()}
         return {"trainer": trainer, "optimizer": update, "buffer": self.buffer.state_dict()}
 
@@ -373,6 +503,8 @@ class ExGRPOTrainer:
         self.buffer.load_state_dict(state["buffer"])
         self.step, self.phase = trainer["step"], trainer["phase"]
         self.pool.load_state_dict(trainer["pool"])
+        self.replay_policy.load_state_dict(trainer.get("replay_policy", {}))
+        self.solved = set(trainer.get("solved", []))
 
     def save(self) -> None:
         """Checkpoint the current step: every rank gathers the state (FSDP needs them all), rank 0 writes it."""

@@ -21,7 +21,7 @@ import torch
 from exgrpo.config import ObjectiveConfig, TrainConfig
 from exgrpo.distributed import Distributed
 from exgrpo.errors import TrainingError
-from exgrpo.objective import LossSettings, merge_stats, mixed_policy_loss
+from exgrpo.objective import LossSettings, merge_stats, mixed_policy_loss, truncated_importance_weights
 from exgrpo.policy import PackedBatch, token_logprobs
 from exgrpo.sharding import all_finite, fully_shard_model, gathered, load_optimizer_state, optimizer_state
 from exgrpo.timing import StageTimer
@@ -29,14 +29,15 @@ from exgrpo.timing import StageTimer
 WARMUP, MIXED = "warmup", "mixed"
 
 
-def loss_settings(objective: ObjectiveConfig, max_completion_length: int, phase: str) -> LossSettings:
+def loss_settings(objective: ObjectiveConfig, max_completion_length: int, phase: str,
+                  guidance_gamma: float = 0.1) -> LossSettings:
     """The objective of a phase: PPO clipping of fresh tokens in the warm-up only (unless clip_after_switch)."""
     o = objective
     return LossSettings(
         clip_fresh=phase == WARMUP or o.clip_after_switch, epsilon_low=o.epsilon_low, epsilon_high=o.epsilon_high,
         beta=o.beta, shaping=o.policy_shaping, aggregation=o.aggregation,
         normalizer=o.normalizer or float(max_completion_length), entropy_coef=o.entropy_coef,
-        entropy_per_micro_batch=o.loss_scale == "per_rank",
+        entropy_per_micro_batch=o.loss_scale == "per_rank", guidance_gamma=guidance_gamma,
     )
 
 
@@ -85,15 +86,18 @@ class PolicyUpdate:
         temperature: the rollout temperature (log-probs are those of the sampling distribution).
         dist: the data-parallel context.
         loss_scale: "global" or "per_rank" (see the module docstring).
+        tis_cap: weight fresh tokens by min(pi_old / pi_engine, tis_cap) where the engine reported log-probs;
+            None: no engine correction.
         on_optimizer_step: called after every applied optimizer step (e.g. an engine reloading weights).
     """
 
     def __init__(self, model, train: TrainConfig, group_size: int, temperature: float, dist: Distributed,
-                 loss_scale: str = "global", on_optimizer_step: Callable[[], None] = lambda: None):
+                 loss_scale: str = "global", tis_cap: float | None = None,
+                 on_optimizer_step: Callable[[], None] = lambda: None):
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("the model has no trainable parameters")
         self.model, self.train, self.K, self.temperature, self.dist = model, train, group_size, temperature, dist
-        self.loss_scale, self.on_optimizer_step = loss_scale, on_optimizer_step
+        self.loss_scale, self.tis_cap, self.on_optimizer_step = loss_scale, tis_cap, on_optimizer_step
         self.sharded = train.sharding == "fsdp" and dist.enabled
         bf16 = train.dtype == "bf16"
         if train.activation_checkpointing:
@@ -236,9 +240,15 @@ class PolicyUpdate:
             if importance_correction else old_logp[rows]
         device = logp.device
         mask = batch.completion_mask
+        engine_weight = None
+        if self.tis_cap is not None and batch.engine_mask is not None:
+            engine_weight = truncated_importance_weights(old_logp[rows], batch.engine_logp[rows],
+                                                         batch.engine_mask[rows], self.tis_cap).to(device)
         loss, stats = mixed_policy_loss(
             logp, old_logp[rows].to(device), recorded.to(device), advantages[rows].to(device),
-            mask[rows].to(device), batch.replay_mask[rows].to(device), settings, entropy=entropy, **totals)
+            mask[rows].to(device), batch.replay_mask[rows].to(device), settings, entropy=entropy,
+            engine_weight=engine_weight, demonstration_mask=None if batch.demonstration_mask is None
+            else batch.demonstration_mask[rows].to(device), **totals)
         if not torch.isfinite(loss):
             raise TrainingError(f"the loss is not finite ({loss.item()}); the update is not applied and "
                                 "the last checkpoint is the last good state")

