@@ -115,6 +115,8 @@ METRICS: tuple[Metric, ...] = tuple(
         ("experience/replayed", "Experiential questions in this step, i.e. replayed trajectories (one each)."),
         ("experience/replay_fraction", "Experiential groups / all groups of the step."),
         ("fresh_questions_remaining", "Training questions not retired (the pool fresh questions come from)."),
+        ("coverage/solved", "Distinct training questions with at least one correct rollout of the policy's own so "
+                            "far (demonstrations and replays do not count)."),
     ) + _section(
         "Time (seconds of wall time in the step)",
         ("time/step", "The whole step."),

@@ -131,7 +131,7 @@ class ExGRPOTrainer:
         self.buffer = ExperienceBuffer(self.K, e.lbound, e.rbound, e.max_trajectories_per_question, e.max_questions)
         self.pool = QuestionPool(train_dataset, c.train.seed, retirement=self.buffer)
         self.demonstrations = self._load_demonstrations(train_dataset)
-        self.solved: set[str] = set()  # questions with a correct rollout of the policy's own (guidance fallback)
+        self.solved: set[str] = set()  # questions with a correct rollout of the policy's own (coverage, guidance)
         self.replay_policy = build_replay_policy(e.policy, self.buffer, self.K, e.bucket_scheme, e.bucket_sigma,
                                                  e.bucket_mean, e.retest_every)
         mismatch = c.rollout.engine == "vllm" and engine_precision(c) != compute_precision(c)
@@ -196,6 +196,7 @@ class ExGRPOTrainer:
                                self.update.learning_rate, self.update.skipped_updates, generation.retired,
                                timer.metrics(), time.perf_counter() - start)
         metrics.update(generation.metrics())
+        metrics["coverage/solved"] = float(len(self.solved))
         if self.demonstrations:
             metrics.update(guidance_metrics(groups, rewards.total))
         metrics.update(parity)
@@ -298,7 +299,7 @@ class ExGRPOTrainer:
 
     def observe(self, groups: list[Group], correct: np.ndarray) -> None:
         """Every rolled-out group's outcome, dropped ones included: to the replay policy, and to the set of
-        questions the policy has solved itself (guidance fallback)."""
+        questions the policy has solved itself (coverage; guidance fallback)."""
         for g, ok in zip(groups, correct):
             self.replay_policy.observe(g.question.id, int(ok.sum()), self.step)
             if any(hit and not m.demonstration for hit, m in zip(ok, g.members)):
