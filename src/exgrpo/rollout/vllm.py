@@ -17,8 +17,11 @@ Every vLLM-version-specific call lives in this module; it is tested with vLLM 0.
   and the CPU worker replaces `torch.set_num_threads` with a no-op: all three are saved and restored, so the
   trainer's random streams and thread count are untouched.
 * On CPU the KV cache is sized explicitly (`kv_cache_memory_bytes`; otherwise vLLM reserves 92% of the memory
-  node) with 32-token blocks (the CPU attention kernel needs a multiple of 32); on CUDA `gpu_memory_utilization`
-  sizes it and sleep mode frees it (and offloads the weights) while the trainer updates.
+  node) with 32-token blocks (the CPU attention kernel needs a multiple of 32), and prompts are prefilled whole
+  (a chunked prefill rewinds the request's generator, which CPU generators cannot do); on CUDA
+  `gpu_memory_utilization` sizes it and sleep mode frees it (and offloads the weights) while the trainer updates.
+* One engine per data-parallel rank, each sampling its rank's requests; under FSDP the push runs while the
+  trainer's weights are gathered for the rollout, so each engine receives full tensors.
 
 The sync is lazy: `sync_weights` (after every optimizer step and after a resume) marks the copy stale and the next
 `generate` pushes the weights once, so M mini-batches cost one push. A push that takes longer than `sync_timeout`
