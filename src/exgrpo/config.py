@@ -540,6 +540,14 @@ def _train_eval_and_logging_rules(cfg: ExGRPOConfig):
     yield _at_least("logging.sample_every", lg.sample_every, 0)
 
 
+def engine_correction_cap(cfg: ExGRPOConfig) -> float | None:
+    """objective.tis_cap when truncated IS corrects the engine (tis, or auto with the vllm engine in another
+    precision than the trainer's); None otherwise."""
+    mode = cfg.objective.engine_correction
+    mismatch = cfg.rollout.engine == "vllm" and engine_precision(cfg) != compute_precision(cfg)
+    return cfg.objective.tis_cap if mode == "tis" or (mode == "auto" and mismatch) else None
+
+
 def compute_precision(cfg: ExGRPOConfig) -> str:
     """The dtype the trainer's forward passes run in."""
     return "bfloat16" if cfg.train.dtype == "bf16" else cfg.model.dtype

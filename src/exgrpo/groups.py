@@ -3,6 +3,7 @@ the two things done to whole groups: grading them and packing them into tensors.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
@@ -76,10 +77,9 @@ class GroupRewards:
     @staticmethod
     def concat(parts: Sequence["GroupRewards"]) -> "GroupRewards":
         """The rewards of several rounds' groups, one after the other; grading counts summed."""
-        grading = {k: sum(p.grading.get(k, 0) for p in parts) for p in parts for k in p.grading}
         return GroupRewards(np.concatenate([p.total for p in parts]),
                             {k: np.concatenate([p.per_function[k] for p in parts]) for k in parts[0].per_function},
-                            grading)
+                            dict(sum((Counter(p.grading) for p in parts), Counter())))
 
 
 def zero_variance(total: np.ndarray) -> np.ndarray:

@@ -111,8 +111,7 @@ def token_logprobs(model, batch: PackedBatch, temperature: float, rows: slice | 
     else:
         # The prompt pass goes through the bare module: a DDP wrapper allows one forward per backward, and
         # each parameter still receives a single (summed) gradient from both passes.
-        bare = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-        head = bare(input_ids=input_ids[first, :P], attention_mask=attention[first, :P],
+        head = _unwrapped(model)(input_ids=input_ids[first, :P], attention_mask=attention[first, :P],
                     position_ids=positions[first, :P], use_cache=True, logits_to_keep=1, **extra)
         cache = head.past_key_values
         cache.batch_select_indices(owner)
@@ -157,9 +156,13 @@ def _head_values(logits: torch.Tensor, targets: torch.Tensor, temperature: float
     return logp, entropy
 
 
+def _unwrapped(model):
+    """The module inside a DDP wrapper (or the model itself)."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
 def _output_head(model):
-    bare = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    return bare.get_output_embeddings()
+    return _unwrapped(model).get_output_embeddings()
 
 
 def _chunked_head(head, hidden: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, temperature: float,

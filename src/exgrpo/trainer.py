@@ -33,7 +33,7 @@ import torch
 
 from exgrpo.atomic import write_text_atomic
 from exgrpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from exgrpo.config import ConfigError, ExGRPOConfig, compute_precision, engine_precision
+from exgrpo.config import ConfigError, ExGRPOConfig, compute_precision, engine_correction_cap, engine_precision
 from exgrpo.data import PromptEncoder, Question
 from exgrpo.distributed import Distributed, init_distributed, shard
 from exgrpo.errors import ExgrpoWarning, RunDirectoryError, TrainingError
@@ -103,11 +103,6 @@ class ExGRPOTrainer:
             raise ValueError("at least one reward function is required")
         self.reward_weights = list(reward_weights) if reward_weights is not None else [1.0] * len(self.reward_funcs)
         c = config
-        overlap = c.data.benchmark_overlap
-        train_dataset = screen_benchmark_questions(train_dataset, overlap, "training questions",
-                                                   c.data.prompt_suffix)
-        self.eval_dataset = screen_benchmark_questions(eval_dataset or [], overlap, "held-out questions",
-                                                       c.data.prompt_suffix)
         self.last_evaluation: Accuracy | None = None  # the latest periodic evaluation
         self.grading_pool = grading_pool
         self.reward_health = RewardHealth(c.reward.min_value, c.reward.max_value, c.reward.success_threshold)
@@ -122,9 +117,8 @@ class ExGRPOTrainer:
                                          c.rollout.top_p, c.rollout.top_k)
         self.prompt_ids = PromptEncoder(tokenizer, remove_system=c.data.remove_system,
                                         system_prompt=c.data.system_prompt, think_prefix=c.data.think_prefix)
-        if c.data.max_prompt_length:
-            train_dataset = self._drop_long_prompts(train_dataset, "training")
-            self.eval_dataset = self._drop_long_prompts(self.eval_dataset, "held-out")
+        train_dataset = self._screen(train_dataset, "training")
+        self.eval_dataset = self._screen(eval_dataset or [], "held-out")
         self.engine = engine or build_engine(c, model, tokenizer, lambda: c.data.max_prompt_length or max(
             (len(self.prompt_ids(q)) for q in [*train_dataset, *self.eval_dataset]), default=0))
         e = c.experience
@@ -134,10 +128,8 @@ class ExGRPOTrainer:
         self.solved: set[str] = set()  # questions with a correct rollout of the policy's own (coverage, guidance)
         self.replay_policy = build_replay_policy(e.policy, self.buffer, self.K, e.bucket_scheme, e.bucket_sigma,
                                                  e.bucket_mean, e.retest_every)
-        mismatch = c.rollout.engine == "vllm" and engine_precision(c) != compute_precision(c)
-        tis = c.objective.engine_correction == "tis" or (c.objective.engine_correction == "auto" and mismatch)
         self.update = PolicyUpdate(model, c.train, self.K, c.rollout.temperature, self.dist,
-                                   loss_scale=c.objective.loss_scale, tis_cap=c.objective.tis_cap if tis else None,
+                                   loss_scale=c.objective.loss_scale, tis_cap=engine_correction_cap(c),
                                    on_optimizer_step=self.engine.sync_weights)
         self.phase = WARMUP
         self.step = 0
@@ -157,9 +149,14 @@ class ExGRPOTrainer:
                                         f"= {limit} tokens"), stacklevel=3)
         return demonstrations
 
-    def _drop_long_prompts(self, questions: Sequence[Question], which: str) -> list[Question]:
-        """data.max_prompt_length: questions whose prompt is longer are dropped (released), with a warning."""
-        limit = self.config.data.max_prompt_length
+    def _screen(self, questions: Sequence[Question], which: str) -> list[Question]:
+        """The questions the run may use: benchmark test questions handled as data.benchmark_overlap says, and,
+        with data.max_prompt_length, longer prompts dropped (released) with a warning."""
+        d = self.config.data
+        questions = screen_benchmark_questions(questions, d.benchmark_overlap, f"{which} questions", d.prompt_suffix)
+        limit = d.max_prompt_length
+        if not limit:
+            return questions
         kept = [q for q in questions if len(self.prompt_ids(q)) <= limit]
         if len(kept) < len(questions):
             warnings.warn(ExgrpoWarning(f"dropped {len(questions) - len(kept)} of {len(questions)} {which} "

@@ -236,19 +236,20 @@ class PolicyUpdate:
             logp, entropy = self.logprobs(self.train_model, batch, rows, with_entropy=True)
         if not self.separate_behaviour_pass:
             old_logp[rows] = logp.detach().cpu()
-        recorded = torch.where(batch.replay_mask[rows], batch.recorded_logp[rows], old_logp[rows]) \
-            if importance_correction else old_logp[rows]
-        device = logp.device
-        mask = batch.completion_mask
+
+        def mine(t: torch.Tensor | None) -> torch.Tensor | None:  # this micro-batch's rows, on the model's device
+            return None if t is None else t[rows].to(logp.device)
+
+        recorded = torch.where(mine(batch.replay_mask), mine(batch.recorded_logp), mine(old_logp)) \
+            if importance_correction else mine(old_logp)
         engine_weight = None
         if self.tis_cap is not None and batch.engine_mask is not None:
-            engine_weight = truncated_importance_weights(old_logp[rows], batch.engine_logp[rows],
-                                                         batch.engine_mask[rows], self.tis_cap).to(device)
+            engine_weight = truncated_importance_weights(mine(old_logp), mine(batch.engine_logp),
+                                                         mine(batch.engine_mask), self.tis_cap)
         loss, stats = mixed_policy_loss(
-            logp, old_logp[rows].to(device), recorded.to(device), advantages[rows].to(device),
-            mask[rows].to(device), batch.replay_mask[rows].to(device), settings, entropy=entropy,
-            engine_weight=engine_weight, demonstration_mask=None if batch.demonstration_mask is None
-            else batch.demonstration_mask[rows].to(device), **totals)
+            logp, mine(old_logp), recorded, mine(advantages), mine(batch.completion_mask),
+            mine(batch.replay_mask), settings, entropy=entropy, engine_weight=engine_weight,
+            demonstration_mask=mine(batch.demonstration_mask), **totals)
         if not torch.isfinite(loss):
             raise TrainingError(f"the loss is not finite ({loss.item()}); the update is not applied and "
                                 "the last checkpoint is the last good state")

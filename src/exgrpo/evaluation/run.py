@@ -28,7 +28,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
 from exgrpo.evaluation.benchmarks import (BENCHMARKS, BenchmarkData, load_benchmarks, load_benchmarks_hf,
                                          resolve_benchmarks)
 from exgrpo.evaluation.protocol import THINK, EvalProtocol, Sample, evaluate_questions
-from exgrpo.data import render_prompt
+from exgrpo.data import PromptEncoder
 from exgrpo.errors import ExgrpoError
 from exgrpo.models import load_policy
 from exgrpo.rewards import GradingPool
@@ -105,10 +105,9 @@ def build_eval_engine(name: str, model, tokenizer, data: Sequence[BenchmarkData]
         return HFEngine(model, tokenizer, batch_size=batch_size)
     from exgrpo.rollout.vllm import VLLMEngine
 
-    longest = max(len(tokenizer(render_prompt(tokenizer, q.messages, remove_system=protocol.remove_system,
-                                              system_prompt=protocol.system_prompt,
-                                              think_prefix=protocol.think_prefix),
-                                add_special_tokens=False)["input_ids"]) for d in data for q in d.questions)
+    encode = PromptEncoder(tokenizer, remove_system=protocol.remove_system, system_prompt=protocol.system_prompt,
+                           think_prefix=protocol.think_prefix)
+    longest = max(len(encode(q)) for d in data for q in d.questions)
     return VLLMEngine(model, tokenizer, dtype=dtype, max_model_len=longest + protocol.max_new_tokens,
                       max_num_seqs=batch_size)
 

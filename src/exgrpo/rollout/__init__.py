@@ -1,12 +1,6 @@
-"""Rollout engines: turn prompts into sampled completions.
-
-The trainer talks to an engine through `RolloutEngine.generate` (exgrpo.rollout.base), which takes token ids and
-returns token ids (and, for engines that report them, the log-probs of the sampled tokens). Engines: `hf`
-(transformers `generate` on the training model itself, exgrpo.rollout.hf) and `vllm` (an in-process vLLM engine
-whose weights are synced after every optimizer step, exgrpo.rollout.vllm, needs the `vllm` extra). Log-probs for
-the loss come from the training model's own forward pass (as released); the engine's are used to check the sync
-and to correct for engine mismatch.
-"""
+"""Rollout engines: turn prompts into sampled completions. The protocol and what the trainer expects of an engine
+are in `exgrpo.rollout.base`; engines: `hf` (`exgrpo.rollout.hf`) and `vllm` (`exgrpo.rollout.vllm`, needs the
+`vllm` extra)."""
 
 from __future__ import annotations
 
