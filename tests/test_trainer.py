@@ -77,6 +77,30 @@ def test_warmup_switch_collection_and_replay(tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
 
 
+def test_entropy_of_replayed_and_fresh_correct_trajectories():
+    import copy
+
+    from exgrpo.policy import token_logprobs
+
+    trainer = _trainer(_config(train={"mini_batches": 1}))  # one mini-batch: the forward is the pre-update policy
+    for _ in range(3):
+        before = copy.deepcopy(trainer.model)
+        metrics, _ = trainer.train_step()
+    step = trainer.last_step
+    members = [m for g in step.groups for m in g.members]
+    correct = (step.rewards.total >= 1.0).reshape(-1)
+    with torch.no_grad():
+        _, entropy = token_logprobs(before.eval(), step.batch, 1.0, with_entropy=True)
+    mask = step.batch.completion_mask
+    for name, rows in (("entropy/replayed", [m.replay is not None for m in members]),
+                       ("entropy/fresh_correct", [m.replay is None and c for m, c in zip(members, correct)])):
+        rows = torch.tensor(rows)
+        assert rows.any()
+        expected = float((entropy[rows] * mask[rows]).sum() / mask[rows].sum())
+        assert metrics[name] == pytest.approx(expected, rel=1e-4), name
+    assert metrics["entropy/replayed"] != metrics["entropy/fresh_correct"]
+
+
 def test_threshold_not_crossed_stays_in_warmup():
     trainer = _trainer(_config(experience={"start_threshold": 0.99}, train={"steps": 2}))
     history = trainer.train()

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+import torch
 
 from exgrpo.experience import ExperienceBuffer
 from exgrpo.groups import Group, GroupRewards
@@ -65,6 +66,10 @@ METRICS: tuple[Metric, ...] = tuple(
                             "`train.skip_grad_norm` (cumulative)."),
         ("entropy", "Mean per-token entropy (nats, temperature `rollout.temperature`) of the current policy over "
                     "all completion tokens, from the training forward passes."),
+        ("entropy/replayed", "Token-mean entropy under the current policy (training forward) of the step's replayed "
+                             "trajectories; only in steps that replay."),
+        ("entropy/fresh_correct", "The same over the step's correct fresh rollouts: compare with "
+                                  "`entropy/replayed` (the replayed one is the lowest-entropy stored trajectory)."),
         ("ratio/mean", "Mean of r = π_θ / π_old over fresh tokens (π_old: the pre-update policy of this step); "
                        "1 in the first mini-batch."),
         ("ratio/min", "Minimum of r over fresh tokens."),
@@ -203,6 +208,23 @@ def guidance_metrics(groups: Sequence[Group], total: np.ndarray) -> dict[str, fl
     rewards = [total[gi, j] for gi, g in enumerate(groups) for j, m in enumerate(g.members) if m.demonstration]
     return {"guidance/demonstrations": float(len(rewards)),
             "guidance/demonstration_reward": float(np.mean(rewards)) if rewards else float("nan")}
+
+
+def trajectory_entropy_metrics(groups: Sequence[Group], correct: np.ndarray, batch: PackedBatch,
+                               token_entropy: torch.Tensor) -> dict[str, float]:
+    """entropy/replayed and entropy/fresh_correct: token-mean entropy of the replayed trajectories and of the
+    correct fresh rollouts. `correct` is (G, K); `token_entropy` (N, T) as the update computed it."""
+    members = [m for g in groups for m in g.members]
+    kinds = {"entropy/replayed": [m.replay is not None for m in members],
+             "entropy/fresh_correct": [m.replay is None and not m.demonstration and bool(c)
+                                       for m, c in zip(members, correct.reshape(-1))]}
+    out = {}
+    for name, selected in kinds.items():
+        rows = torch.tensor(selected, dtype=torch.bool)
+        mask = batch.completion_mask[rows]
+        if mask.sum() > 0:
+            out[name] = float((token_entropy[rows] * mask).sum() / mask.sum())
+    return out
 
 
 def _nanmean(values: np.ndarray) -> float:

@@ -43,7 +43,7 @@ from exgrpo.experience import ExperienceBuffer, Trajectory, build_replay_policy,
 from exgrpo.groups import (Generation, Group, GroupRewards, Member, form_groups, pack_groups, score_groups,
                            zero_variance)
 from exgrpo.guidance import demonstration_ids
-from exgrpo.metrics import guidance_metrics, step_metrics
+from exgrpo.metrics import guidance_metrics, step_metrics, trajectory_entropy_metrics
 from exgrpo.models import save_model
 from exgrpo.objective import group_advantages
 from exgrpo.policy import PackedBatch, candidate_scores
@@ -194,6 +194,7 @@ class ExGRPOTrainer:
                                timer.metrics(), time.perf_counter() - start)
         metrics.update(generation.metrics())
         metrics["coverage/solved"] = float(len(self.solved))
+        metrics.update(trajectory_entropy_metrics(groups, correct, batch, update.token_entropy))
         if self.demonstrations:
             metrics.update(guidance_metrics(groups, rewards.total))
         metrics.update(parity)

@@ -73,6 +73,7 @@ def plan_micro_batches(rows: torch.Tensor, prompt_lengths: torch.Tensor, complet
 class UpdateResult:
     stats: dict[str, float]  # merged loss statistics, `loss` (summed over micro-batches) and mean `grad_norm`
     behaviour_logp: torch.Tensor  # (N, T) pre-update log-probs of every row of the batch
+    token_entropy: torch.Tensor  # (N, T) token entropies from the training forward passes (0 off completions)
 
 
 class PolicyUpdate:
@@ -151,12 +152,13 @@ class PolicyUpdate:
         my_rows = torch.cat([mine for _, mine in minis])
         with timer("logprob"):
             old_logp = self._pre_update_logprobs(batch, my_rows)
+        entropy = torch.zeros_like(batch.completion_mask)
         with timer("update"):
             parts, loss_sum, grad_norms = [], 0.0, []
             self.train_model.train()
             for mini, mine in minis:
-                loss, stats = self._accumulate(batch, advantages, settings, importance_correction, old_logp, mini,
-                                               mine, timer)
+                loss, stats = self._accumulate(batch, advantages, settings, importance_correction, old_logp, entropy,
+                                               mini, mine, timer)
                 loss_sum += loss
                 parts += stats
                 with timer("optimizer"):
@@ -166,8 +168,8 @@ class PolicyUpdate:
         stats["loss"] = sum(loss for _, loss in gathered_parts)  # as optimised: summed over micro-batches
         stats["grad_norm"] = float(np.mean(grad_norms))
         if self.dist.enabled:
-            old_logp = self._gather_rows(old_logp, my_rows)
-        return UpdateResult(stats, old_logp)
+            old_logp, entropy = self._gather_rows(old_logp, my_rows), self._gather_rows(entropy, my_rows)
+        return UpdateResult(stats, old_logp, entropy)
 
     def _mini_batches(self, num_groups: int, rng: np.random.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(all rows of the mini-batch, this rank's rows) for each of the M mini-batches of shuffled groups; fewer
@@ -202,8 +204,8 @@ class PolicyUpdate:
         return old_logp
 
     def _accumulate(self, batch: PackedBatch, advantages: torch.Tensor, settings: LossSettings,
-                    importance_correction: bool, old_logp: torch.Tensor, mini: torch.Tensor, mine: torch.Tensor,
-                    timer: StageTimer) -> tuple[float, list[dict]]:
+                    importance_correction: bool, old_logp: torch.Tensor, entropy: torch.Tensor, mini: torch.Tensor,
+                    mine: torch.Tensor, timer: StageTimer) -> tuple[float, list[dict]]:
         """Forward/backward over this rank's micro-batches of one mini-batch; gradients accumulate exactly.
 
         Every rank runs the same number of backward passes where the collectives need it (FSDP: each pass;
@@ -223,17 +225,19 @@ class PolicyUpdate:
                     self.logprobs(self.train_model, batch, mini[:1], with_entropy=False)[0].sum().mul(0.0).backward()
                     continue
                 loss, stats = self._micro_step(batch, micro_batches[i], advantages, settings, importance_correction,
-                                               old_logp, totals, timer)
+                                               old_logp, entropy, totals, timer)
             loss_sum += loss
             parts.append(stats)
         return loss_sum, parts
 
     def _micro_step(self, batch: PackedBatch, rows: torch.Tensor, advantages: torch.Tensor, settings: LossSettings,
-                    importance_correction: bool, old_logp: torch.Tensor, totals: dict, timer: StageTimer
-                    ) -> tuple[float, dict]:
-        """Forward and backward of one micro-batch; returns its loss and statistics."""
+                    importance_correction: bool, old_logp: torch.Tensor, entropy_out: torch.Tensor, totals: dict,
+                    timer: StageTimer) -> tuple[float, dict]:
+        """Forward and backward of one micro-batch; returns its loss and statistics and fills in its rows of
+        `entropy_out` (and of `old_logp` when the training forward is the behaviour pass)."""
         with timer("forward"):
             logp, entropy = self.logprobs(self.train_model, batch, rows, with_entropy=True)
+        entropy_out[rows] = entropy.detach().float().cpu()
         if not self.separate_behaviour_pass:
             old_logp[rows] = logp.detach().cpu()
 
