@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from exgrpo.config import ConfigError
@@ -57,7 +58,9 @@ def test_study_runs_every_arm_and_seed_once_and_reports(tmp_path):
     assert done.returncode == 0, done.stderr
     text = (out / "report.md").read_text()
     assert "| GRPO | 1, 2 |" in text and "| uniform | 1 |" in text
-    for png in ("main_heldout.png", "main_training.png", "main_buffer.png", "ablations_heldout.png", "all_final.png"):
+    assert "| ExGRPO | 1, 2 |" in text.split("## Paired differences")[1]  # uniform has one seed: no interval
+    for png in ("main_heldout.png", "main_training.png", "main_buffer.png", "main_analyses.png",
+                "ablations_heldout.png", "all_final.png"):
         assert (out / png).stat().st_size > 1000 and f"({png})" in text
 
 
@@ -96,3 +99,24 @@ def test_bad_study_files_name_the_key(tmp_path, change, message):
     path = _study(tmp_path, **change)
     with pytest.raises(ConfigError, match=message):
         load_study(path)
+
+
+def _paired(steps, rollouts=None):
+    from exgrpo.study_report import PairedDifference
+
+    steps = np.array(steps) / 100
+    return PairedDifference([1, 2, 3], steps, steps if rollouts is None else np.array(rollouts) / 100, [60] * 3)
+
+
+def test_t_interval_and_the_pre_registered_verdict_rules():
+    from exgrpo.study_report import t_interval, verdict
+
+    mean, low, high = t_interval(np.array([1.0, 2.0, 3.0]))
+    assert mean == 2.0 and high - mean == pytest.approx(4.303 * 1.0 / np.sqrt(3))
+    assert verdict(_paired([4, 5, 6])) == "helps"  # mean +5, interval [+2.5, +7.5]
+    assert verdict(_paired([2, 2.5, 3])) == "no difference"  # mean below +3, interval inside ±5
+    assert verdict(_paired([-4, -5, -6])) == "hurts"
+    assert verdict(_paired([-4, -5, -6], rollouts=[1, 1, 1])) == "inconclusive at this power"  # sign flips
+    assert verdict(_paired([-10, 5, 20])) == "inconclusive at this power"
+    with pytest.raises(ValueError, match="2 to 10"):
+        t_interval(np.array([0.1]))

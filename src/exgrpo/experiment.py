@@ -180,13 +180,19 @@ class RunResult:
         return self.evaluations()[-1][1]
 
     def fresh_rollouts(self) -> list[int]:
-        """Cumulative sampled completions after each step (a replayed member is not sampled)."""
+        """Cumulative sampled completions after each step: `generation/rollouts` (every generation round), or for
+        runs logged before it, B·K minus the replayed members (which are not sampled)."""
         per_step = self.config.train.prompts_per_step * self.config.rollout.num_generations
         total, out = 0, []
         for m in self.history:
-            total += per_step - int(m["experience/replayed"])
+            total += int(m.get("generation/rollouts", per_step - m["experience/replayed"]))
             out.append(total)
         return out
+
+    def accuracy_within(self, rollouts: int) -> tuple[int, float]:
+        """(step, accuracy) of the last evaluation whose cumulative sampled rollouts do not exceed `rollouts`."""
+        sampled = [0] + self.fresh_rollouts()
+        return [(s, a) for s, a in self.evaluations() if sampled[s] <= rollouts][-1]
 
 
 def load_results(study: Study) -> list[RunResult]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -109,6 +110,27 @@ def _buffer(runs: list[RunResult], out: Path, stem: str) -> str:
     return f"{stem}_buffer.png"
 
 
+def _analyses(arms: dict[str, list[RunResult]], names: list[str], out: Path, stem: str) -> str:
+    """Coverage, zero-variance share and the entropy of replayed vs fresh correct trajectories over steps."""
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.4))
+    for name in names:
+        label = arms[name][0].arm.label
+        for ax, key in ((axes[0], "coverage/solved"), (axes[1], "generation/zero_variance_fraction")):
+            _band(ax, *_series(arms[name], key), label)
+        for key, kind in (("entropy/fresh_correct", "fresh correct"), ("entropy/replayed", "replayed")):
+            steps, rows = _series(arms[name], key)
+            if not np.isnan(rows).all():
+                axes[2].plot(steps, np.nanmean(rows, 0), marker="o", markersize=2, label=f"{label}: {kind}")
+    titles = ("training questions ever solved (coverage)", "zero-variance groups / groups rolled out",
+              "token entropy of correct trajectories (seed mean)")
+    for ax, title in zip(axes, titles):
+        ax.set(xlabel="step", title=title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    _save(fig, out / f"{stem}_analyses.png")
+    return f"{stem}_analyses.png"
+
+
 def _final_bars(arms: dict[str, list[RunResult]], names: list[str], out: Path, stem: str) -> str:
     fig, ax = plt.subplots(figsize=(1.4 * len(names) + 2, 3.4))
     for i, name in enumerate(names):
@@ -134,6 +156,95 @@ def _paired_delta(runs: list[RunResult], reference: list[RunResult]) -> str:
         return "—"
     return f"{100 * diffs.mean():+.1f} ± {100 * diffs.std(ddof=1):.1f}" if len(diffs) > 1 else \
         f"{100 * diffs.mean():+.1f}"
+
+
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}  # Student t
+
+
+def t_interval(values: np.ndarray) -> tuple[float, float, float]:
+    """Mean and two-sided 95% t-interval of (n,) `values` (2 ≤ n ≤ 10)."""
+    if not 2 <= len(values) <= 10:
+        raise ValueError(f"a t-interval needs 2 to 10 paired seeds, got {len(values)}")
+    mean, half = values.mean(), T_975[len(values) - 1] * values.std(ddof=1) / np.sqrt(len(values))
+    return float(mean), float(mean - half), float(mean + half)
+
+
+@dataclass
+class PairedDifference:
+    """An arm minus the baseline on the seeds both ran, in accuracy units."""
+
+    seeds: list[int]
+    at_equal_steps: np.ndarray  # (n,) final accuracy − the baseline's final accuracy
+    at_equal_rollouts: np.ndarray  # (n,) final accuracy − the baseline's last evaluation within as many rollouts
+    baseline_steps: list[int]  # (n,) the step of that baseline evaluation
+
+
+def paired_difference(runs: list[RunResult], baseline: list[RunResult]) -> PairedDifference:
+    base = {r.seed: r for r in baseline}
+    pairs = [(r, base[r.seed]) for r in runs if r.seed in base]
+    within = [b.accuracy_within(r.fresh_rollouts()[-1]) for r, b in pairs]
+    return PairedDifference([r.seed for r, _ in pairs],
+                            np.array([r.final_accuracy - b.final_accuracy for r, b in pairs]),
+                            np.array([r.final_accuracy - a for (r, _), (_, a) in zip(pairs, within)]),
+                            [s for s, _ in within])
+
+
+def verdict(d: PairedDifference, effect: float = 0.03, equivalence: float = 0.05) -> str:
+    """The rules pre-registered for round two (docs/results.md), on the difference at equal steps."""
+    mean, low, high = t_interval(d.at_equal_steps)
+    if mean >= effect and low > 0:
+        return "helps"
+    if mean <= -effect and high < 0 and d.at_equal_rollouts.mean() < 0:
+        return "hurts"
+    if -equivalence <= low and high <= equivalence:
+        return "no difference"
+    return "inconclusive at this power"
+
+
+def _interval_text(values: np.ndarray) -> str:
+    mean, low, high = t_interval(values)
+    return f"{100 * mean:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]"
+
+
+def paired_table(arms: dict[str, list[RunResult]], names: list[str], baseline: str) -> list[str]:
+    """Per arm: the paired difference to the baseline at equal steps and at equal rollouts (mean and 95%
+    t-interval over seeds, accuracy points), per seed, and the verdict under the round-two rules."""
+    label = arms[baseline][0].arm.label
+    lines = [f"| arm − {label} | seeds | Δ at equal steps: mean [95% CI] | per seed | Δ at equal rollouts: mean "
+             f"[95% CI] | {label} step used | verdict |", "|---|---|---:|---|---:|---|---|"]
+    for name in names:
+        if name == baseline:
+            continue
+        d = paired_difference(arms[name], arms[baseline])
+        if len(d.seeds) < 2:
+            continue
+        lines.append(f"| {arms[name][0].arm.label} | {', '.join(map(str, d.seeds))} | "
+                     f"{_interval_text(d.at_equal_steps)} | {' / '.join(f'{100 * x:+.1f}' for x in d.at_equal_steps)}"
+                     f" | {_interval_text(d.at_equal_rollouts)} | {' / '.join(map(str, d.baseline_steps))} | "
+                     f"{verdict(d)} |")
+    return lines
+
+
+def analyses_table(arms: dict[str, list[RunResult]], names: list[str]) -> list[str]:
+    """Per arm (mean over seeds): rollouts sampled, coverage, zero-variance share, entropies of correct
+    trajectories (mean over the steps that have both)."""
+    lines = ["| arm | rollouts sampled | training questions ever solved | zero-variance groups | entropy: replayed | "
+             "entropy: fresh correct (same steps) |", "|---|---:|---:|---:|---:|---:|"]
+    for name in names:
+        runs = arms[name]
+        both = [m for r in runs for m in r.history if "entropy/replayed" in m and "entropy/fresh_correct" in m]
+        fresh = both or [m for r in runs for m in r.history if "entropy/fresh_correct" in m]
+
+        def mean_of(key, rows):
+            return f"{np.mean([m[key] for m in rows]):.3f}" if rows else "—"
+
+        zero = [m["generation/zero_variance_fraction"] for r in runs for m in r.history
+                if "generation/zero_variance_fraction" in m]
+        lines.append(f"| {runs[0].arm.label} | {np.mean([r.fresh_rollouts()[-1] for r in runs]):.0f} | "
+                     f"{np.mean([r.history[-1].get('coverage/solved', np.nan) for r in runs]):.1f} | "
+                     + (f"{100 * np.mean(zero):.1f}%" if zero else "—") + " | "
+                     f"{mean_of('entropy/replayed', both)} | {mean_of('entropy/fresh_correct', fresh)} |")
+    return lines
 
 
 def final_table(arms: dict[str, list[RunResult]], names: list[str], references: list[str]) -> list[str]:
@@ -196,6 +307,7 @@ def write_study_report(study: Study, out: str | Path, main_arms: list[str]) -> P
     ablations = [n for n in names if n not in main_arms]
     plots = _curves(arms, main_arms, out, "main")
     plots.append(_buffer(arms[main_arms[-1]], out, "main"))
+    plots.append(_analyses(arms, main_arms, out, "main"))
     if ablations:
         plots += _curves(arms, [main_arms[-1], *ablations], out, "ablations")
     plots.append(_final_bars(arms, names, out, "all"))
@@ -210,7 +322,12 @@ def write_study_report(study: Study, out: str | Path, main_arms: list[str]) -> P
         f"{c.eval.temperature} over each seed's held-out rows ({held_out}); ± is the std over seeds, "
         "SE = std / √seeds.", "",
         "## Final held-out accuracy", "", *final_table(arms, names, references), "",
+        "## Paired differences to the baseline (accuracy points)", "",
+        "Equal rollouts: the baseline at its last evaluation whose cumulative sampled rollouts do not exceed the "
+        "arm's. Verdict: the rules pre-registered in docs/results.md (round two) applied to the equal-steps "
+        "difference.", "", *paired_table(arms, names, study.baseline), "",
         "## Buffer and replay (end of training, mean over seeds)", "", *buffer_table(arms, names), "",
+        "## Coverage, zero-variance groups, entropy (mean over seeds)", "", *analyses_table(arms, names), "",
         *[f"![{p}]({p})" for p in plots], "",
     ]
     path = out / "report.md"
