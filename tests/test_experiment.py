@@ -44,7 +44,7 @@ def test_study_runs_every_arm_and_seed_once_and_reports(tmp_path):
     results = load_results(study)
     grpo = [r for r in results if r.arm.name == "grpo"]
     assert all(m["experience/replayed"] == 0 for r in grpo for m in r.history)
-    assert [s for s, _ in grpo[0].evaluations()] == [0, 2]
+    assert [s for s, _ in grpo[0].evaluations()] == [0, 2, 3]  # every 2 steps and after the last
     assert grpo[0].fresh_rollouts() == [16, 32, 48]  # 4 questions × K=4 per step, nothing replayed
 
     messages.clear()
@@ -62,6 +62,21 @@ def test_study_runs_every_arm_and_seed_once_and_reports(tmp_path):
     for png in ("main_heldout.png", "main_training.png", "main_buffer.png", "main_analyses.png",
                 "ablations_heldout.png", "all_final.png"):
         assert (out / png).stat().st_size > 1000 and f"({png})" in text
+
+
+def test_a_run_that_retires_every_question_is_complete_and_evaluated_at_its_last_step(tmp_path):
+    path = _study(tmp_path, arms={"grpo": {"overrides": ["experience.ratio=0"]}}, seeds=[1], overrides=[
+        "data.train=reasoning_gym:basic_arithmetic?size=24&seed=1&min_terms=2&max_terms=2&min_digits=1&max_digits=1",
+        "reward.function=toy_rewards:always_right", "train.steps=10", "eval.every=3", "logging.progress=false"])
+    study = load_study(path)
+    run_study(study, log=lambda m: None)
+    (result,) = load_results(study)  # complete, although it stopped before train.steps
+    assert result.history[-1]["fresh_questions_remaining"] == 0 and result.history[-1]["step"] < 10
+    last = result.history[-1]["step"]
+    assert [s for s, _ in result.evaluations()] == [0, 3, last] and last > 3
+    messages = []
+    run_study(study, log=messages.append)
+    assert messages == [f"grpo seed 1: complete ({last} steps), skipped"]
 
 
 def test_interrupted_run_resumes_and_report_waits_for_it(tmp_path):

@@ -9,6 +9,11 @@ def first_char_is_lowercase(prompts, completions, completion_ids, **columns):
     return [1.0 if c[:1].islower() else 0.0 for c in completions]
 
 
+def always_right(prompts, completions, completion_ids, **columns):
+    """Every completion is right: every question retires on its first draw."""
+    return [1.0] * len(completions)
+
+
 def all_but_answer_15(prompts, completions, completion_ids, answer, **columns):
     """Every question is solved at once, except the one whose answer is 15: it never retires."""
     return [0.0 if a == "15" else 1.0 for a in answer]

@@ -286,7 +286,8 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     every: int = 0
-    """Held-out evaluation every N steps (0: only where the command asks, e.g. before/after in the demo)."""
+    """Held-out evaluation every N steps and after the last step (0: only where the command asks, e.g.
+    before/after in the demo)."""
     samples: int = 4
     """Samples per held-out question (the metric is avg@samples)."""
     temperature: float = 1.0

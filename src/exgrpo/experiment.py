@@ -120,6 +120,18 @@ def load_study(path: str | Path) -> Study:
     return study
 
 
+def run_complete(run_dir: Path, steps: int) -> bool:
+    """Trained to `steps`, or stopped earlier with every training question retired (nothing left to train on):
+    the last checkpoint's step logged no fresh question remaining."""
+    from exgrpo.tracking import read_metrics
+
+    done = completed_steps(run_dir)
+    if done >= steps:
+        return True
+    rows = [m for m in read_metrics(run_dir / "metrics.jsonl") if m["step"] == done] if done else []
+    return bool(rows) and rows[-1]["fresh_questions_remaining"] == 0
+
+
 def completed_steps(run_dir: Path) -> int:
     from exgrpo.checkpoint import checkpoint_step, latest_checkpoint
 
@@ -139,7 +151,7 @@ def run_study(study: Study, arms: list[str] | None = None, seeds: list[int] | No
                 continue
             config = study.config(arm, seed)
             done = completed_steps(study.run_dir(arm, seed))
-            if done >= config.train.steps:
+            if run_complete(study.run_dir(arm, seed), config.train.steps):
                 log(f"{arm.name} seed {seed}: complete ({done} steps), skipped")
                 continue
             config, checkpoint = start_point(config, resume=True, log=lambda m: log(f"{arm.name} seed {seed}: {m}"))
@@ -205,7 +217,7 @@ def load_results(study: Study) -> list[RunResult]:
             config = study.config(arm, seed)
             run_dir = study.run_dir(arm, seed)
             initial = study.initial_eval_path(config)
-            if completed_steps(run_dir) < config.train.steps or not initial.exists():
+            if not run_complete(run_dir, config.train.steps) or not initial.exists():
                 missing.append(f"{arm.name}/seed-{seed}")
                 continue
             history = read_metrics(run_dir / "metrics.jsonl")

@@ -135,7 +135,7 @@ METRICS: tuple[Metric, ...] = tuple(
         ("time/forward", "The training forward passes inside `time/update` (log-softmax and entropy included)."),
         ("time/optimizer", "Gradient clipping, the AdamW steps and the engine's weight sync inside `time/update`."),
     ) + _section(
-        "Held-out evaluation (every `eval.every` steps)",
+        "Held-out evaluation (every `eval.every` steps, and after the last step)",
         ("eval/accuracy", "avg@`eval.samples` on the held-out questions: mean correctness (reward ≥ "
                           "`reward.success_threshold`) over all samples, at temperature `eval.temperature`."),
         ("eval/stderr", "Standard error of `eval/accuracy` over questions (a question's samples are not "

@@ -458,7 +458,8 @@ class ExGRPOTrainer:
         """A step plus what follows it: periodic evaluation, logging, checkpointing."""
         c = self.config
         metrics, samples = self.train_step()
-        if c.eval.every and self.eval_dataset and self.step % c.eval.every == 0:
+        last = self.step >= c.train.steps or self.pool.remaining == 0  # the run ends with this step
+        if c.eval.every and self.eval_dataset and (self.step % c.eval.every == 0 or last):
             accuracy = self.last_evaluation = self.evaluate()
             metrics.update({"eval/accuracy": accuracy.mean, "eval/stderr": accuracy.stderr})
             if tracker:
