@@ -226,10 +226,10 @@ def paired_table(arms: dict[str, list[RunResult]], names: list[str], baseline: s
 
 
 def analyses_table(arms: dict[str, list[RunResult]], names: list[str]) -> list[str]:
-    """Per arm (mean over seeds): rollouts sampled, coverage, zero-variance share, entropies of correct
-    trajectories (mean over the steps that have both)."""
-    lines = ["| arm | rollouts sampled | training questions ever solved | zero-variance groups | entropy: replayed | "
-             "entropy: fresh correct (same steps) |", "|---|---:|---:|---:|---:|---:|"]
+    """Per arm (mean over seeds): steps run (fewer than train.steps when every question retired), rollouts sampled,
+    coverage, zero-variance share, entropies of correct trajectories (mean over the steps that have both)."""
+    lines = ["| arm | steps run | rollouts sampled | training questions ever solved | zero-variance groups | entropy: replayed | "
+             "entropy: fresh correct (same steps) |", "|---|---:|---:|---:|---:|---:|---:|"]
     for name in names:
         runs = arms[name]
         both = [m for r in runs for m in r.history if "entropy/replayed" in m and "entropy/fresh_correct" in m]
@@ -240,7 +240,8 @@ def analyses_table(arms: dict[str, list[RunResult]], names: list[str]) -> list[s
 
         zero = [m["generation/zero_variance_fraction"] for r in runs for m in r.history
                 if "generation/zero_variance_fraction" in m]
-        lines.append(f"| {runs[0].arm.label} | {np.mean([r.fresh_rollouts()[-1] for r in runs]):.0f} | "
+        lines.append(f"| {runs[0].arm.label} | {np.mean([r.history[-1]['step'] for r in runs]):.1f} | "
+                     f"{np.mean([r.fresh_rollouts()[-1] for r in runs]):.0f} | "
                      f"{np.mean([r.history[-1].get('coverage/solved', np.nan) for r in runs]):.1f} | "
                      + (f"{100 * np.mean(zero):.1f}%" if zero else "—") + " | "
                      f"{mean_of('entropy/replayed', both)} | {mean_of('entropy/fresh_correct', fresh)} |")
