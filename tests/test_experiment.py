@@ -63,6 +63,16 @@ def test_study_runs_every_arm_and_seed_once_and_reports(tmp_path):
                 "ablations_heldout.png", "all_final.png"):
         assert (out / png).stat().st_size > 1000 and f"({png})" in text
 
+    def report(*arms):
+        return subprocess.run([sys.executable, "-m", "exgrpo", "experiment", "report", str(tmp_path / "study.yaml"),
+                               "--main", "grpo", "exgrpo", "--arms", *arms, "--output", str(tmp_path / "some")],
+                              capture_output=True, text=True, env=env)
+
+    assert report("grpo", "exgrpo").returncode == 0  # an unfinished arm can be left out
+    assert "uniform" not in (tmp_path / "some" / "report.md").read_text()
+    refused = report("exgrpo", "uniform")
+    assert refused.returncode == 2 and "leaves out grpo" in refused.stderr
+
 
 def test_a_run_that_retires_every_question_is_complete_and_evaluated_at_its_last_step(tmp_path):
     path = _study(tmp_path, arms={"grpo": {"overrides": ["experience.ratio=0"]}}, seeds=[1], overrides=[
@@ -135,3 +145,14 @@ def test_t_interval_and_the_pre_registered_verdict_rules():
     assert verdict(_paired([-10, 5, 20])) == "inconclusive at this power"
     with pytest.raises(ValueError, match="2 to 10"):
         t_interval(np.array([0.1]))
+
+
+def test_curves_of_runs_that_end_at_different_steps_align():
+    from exgrpo.study_report import _aligned
+
+    short, long = [(0, 0.1), (10, 0.5), (12, 1.0)], [(0, 0.2), (10, 0.6), (20, 0.8)]
+    grid, rows = _aligned([short, long], carry=True)  # held-out accuracy: a finished run keeps its last value
+    assert grid.tolist() == [0, 10, 12, 20]
+    assert np.allclose(rows, [[0.1, 0.5, 1.0, 1.0], [0.2, 0.6, 0.64, 0.8]])
+    _, rows = _aligned([short, long], carry=False)  # training metrics: nothing after a run's last step
+    assert np.isnan(rows[0, 3]) and np.isnan(rows[1, 2]) and rows[1, 3] == 0.8

@@ -102,9 +102,13 @@ def _experiment(args) -> int:
     from exgrpo.study_report import write_study_report
 
     main_arms = args.main or [study.baseline]
-    for name in main_arms:
+    for name in main_arms + (args.arms or []):
         study.arm(name)
-    print(write_study_report(study, args.output, main_arms))
+    left_out = sorted({study.baseline, *main_arms} - set(args.arms or main_arms))
+    if left_out:
+        raise ConfigError(f"--arms {' '.join(args.arms)} leaves out {', '.join(left_out)} (the baseline and the "
+                          "--main arms are always reported)")
+    print(write_study_report(study, args.output, main_arms, args.arms))
     return 0
 
 
@@ -114,7 +118,7 @@ def _add_experiment_parser(sub) -> None:
                                    "interrupted ones), or write the study's plots and tables.")
     p.add_argument("action", choices=["run", "report"])
     p.add_argument("study", help="study YAML (see exgrpo.experiment)")
-    p.add_argument("--arms", nargs="+", metavar="ARM", help="run: only these arms")
+    p.add_argument("--arms", nargs="+", metavar="ARM", help="only these arms (report: the baseline and --main among them)")
     p.add_argument("--seeds", nargs="+", type=int, metavar="SEED", help="run: only these seeds")
     p.add_argument("--output", default="docs/results", help="report: output directory (default: docs/results)")
     p.add_argument("--main", nargs="+", metavar="ARM",

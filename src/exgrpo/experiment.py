@@ -207,12 +207,12 @@ class RunResult:
         return [(s, a) for s, a in self.evaluations() if sampled[s] <= rollouts][-1]
 
 
-def load_results(study: Study) -> list[RunResult]:
-    """Every completed run of the study; incomplete or missing runs are named in the error."""
+def load_results(study: Study, arms: list[str] | None = None) -> list[RunResult]:
+    """Every run of the study (or of the named arms); incomplete or missing runs are named in the error."""
     from exgrpo.tracking import read_metrics
 
     results, missing = [], []
-    for arm in study.arms:
+    for arm in [study.arm(a) for a in arms] if arms else study.arms:
         for seed in arm.seeds:
             config = study.config(arm, seed)
             run_dir = study.run_dir(arm, seed)

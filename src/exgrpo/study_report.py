@@ -22,20 +22,36 @@ def _by_arm(results: list[RunResult]) -> dict[str, list[RunResult]]:
     return arms
 
 
-def _mean_std(rows: list[list[float]]) -> tuple[np.ndarray, np.ndarray]:
-    a = np.asarray(rows, dtype=float)
-    return a.mean(0), a.std(0, ddof=1) if len(a) > 1 else np.zeros(a.shape[1])
+def _aligned(curves: list[list[tuple[float, float]]], carry: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(x grid, (runs, len(grid)) values) of per-run (x, y) curves, x ascending, on the union of their x.
+
+    Runs may end at different steps (every training question retired). With `carry` (held-out accuracy: a
+    finished run's policy no longer changes) a run is interpolated linearly between its points and keeps its last
+    value after them; otherwise (training metrics) it is NaN wherever it has no point.
+    """
+    grid = np.array(sorted({x for c in curves for x, _ in c}))
+    rows = []
+    for curve in curves:
+        if carry:
+            rows.append(np.interp(grid, [x for x, _ in curve], [y for _, y in curve]))
+        else:
+            at = dict(curve)
+            rows.append(np.array([at.get(x, np.nan) for x in grid], dtype=float))
+    return grid, np.array(rows)
 
 
-def _band(ax, x, rows, label):
-    mean, std = _mean_std(rows)
+def _band(ax, x, rows: np.ndarray, label):
+    """Mean ± std over runs (NaN entries left out)."""
+    present = (~np.isnan(rows)).sum(0)
+    mean = np.where(present > 0, np.nansum(rows, 0) / np.maximum(present, 1), np.nan)
+    std = np.array([np.nanstd(col, ddof=1) if n > 1 else 0.0 for col, n in zip(rows.T, present)])
     ax.plot(x, mean, marker="o", markersize=3, label=f"{label} (n={len(rows)})")
     ax.fill_between(x, mean - std, mean + std, alpha=0.2)
 
 
-def _series(runs: list[RunResult], key: str) -> tuple[list[int], list[list[float]]]:
-    steps = [m["step"] for m in runs[0].history]
-    return steps, [[m.get(key, np.nan) for m in r.history] for r in runs]
+def _series(runs: list[RunResult], key: str, default: float = np.nan) -> tuple[np.ndarray, np.ndarray]:
+    """A per-step metric of each run on the steps of the longest (NaN after a run's last step)."""
+    return _aligned([[(m["step"], m.get(key, default)) for m in r.history] for r in runs], carry=False)
 
 
 def _save(fig, path: Path) -> None:
@@ -47,18 +63,18 @@ def _save(fig, path: Path) -> None:
 def _curves(arms: dict[str, list[RunResult]], names: list[str], out: Path, stem: str) -> list[str]:
     """Held-out accuracy vs step and vs rollouts consumed; training reward, entropy, gradient norm, length."""
     fig, (by_step, by_rollouts, paired) = plt.subplots(1, 3, figsize=(15, 3.6))
-    base = {r.seed: dict(r.evaluations()) for r in arms[names[0]]}
+    base = {r.seed: r for r in arms[names[0]]}
     for name in names:
         runs = arms[name]
         label = runs[0].arm.label
-        steps = [s for s, _ in runs[0].evaluations()]
-        _band(by_step, steps, [[a for _, a in r.evaluations()] for r in runs], label)
-        rollouts = [[0] + [r.fresh_rollouts()[s - 1] for s in steps[1:]] for r in runs]
-        _band(by_rollouts, np.mean(rollouts, 0), [[a for _, a in r.evaluations()] for r in runs], label)
-        if name != names[0]:  # per seed: this arm minus the first arm at the steps both evaluated
-            for r in runs:
-                diff = [(s, a - base[r.seed][s]) for s, a in r.evaluations() if s in base.get(r.seed, {})]
-                paired.plot(*zip(*diff), marker="o", markersize=3, alpha=0.8, label=f"{label}, seed {r.seed}")
+        _band(by_step, *_aligned([r.evaluations() for r in runs], carry=True), label)
+        sampled = [[0] + r.fresh_rollouts() for r in runs]
+        _band(by_rollouts, *_aligned([[(n[s], a) for s, a in r.evaluations()] for r, n in zip(runs, sampled)],
+                                     carry=True), label)
+        if name != names[0]:  # per seed: this arm minus the first arm
+            for r in (r for r in runs if r.seed in base):
+                grid, (mine, theirs) = _aligned([r.evaluations(), base[r.seed].evaluations()], carry=True)
+                paired.plot(grid, mine - theirs, marker="o", markersize=3, alpha=0.8, label=f"{label}, seed {r.seed}")
     paired.axhline(0, color="black", linewidth=0.8)
     paired.set(xlabel="step", title=f"Paired difference to {arms[names[0]][0].arm.label} (per seed)")
     by_step.set(xlabel="step", ylabel="held-out accuracy (avg@k)", title="Held-out accuracy vs step")
@@ -85,10 +101,9 @@ def _curves(arms: dict[str, list[RunResult]], names: list[str], out: Path, stem:
 def _buffer(runs: list[RunResult], out: Path, stem: str) -> str:
     """Bucket histogram over time (seed mean), retired questions, replay fraction, importance ratios."""
     K = runs[0].config.rollout.num_generations
-    steps = [m["step"] for m in runs[0].history]
     fig, axes = plt.subplots(1, 4, figsize=(14, 3.2))
-    hist = np.array([[[m.get(f"experience/bucket_{k}", 0.0) for m in r.history] for k in range(K + 1)]
-                     for r in runs]).mean(0)
+    steps, _ = _series(runs, "step")
+    hist = np.array([np.nanmean(_series(runs, f"experience/bucket_{k}", default=0.0)[1], 0) for k in range(K + 1)])
     present = [k for k in range(K + 1) if hist[k].any()]
     if present:  # an arm without experience (GRPO) has an empty buffer
         axes[0].stackplot(steps, *[hist[k] for k in present], labels=[f"k={k}" for k in present])
@@ -96,7 +111,7 @@ def _buffer(runs: list[RunResult], out: Path, stem: str) -> str:
     axes[0].set(xlabel="step", title="buffer questions per bucket k")
     for ax, key, title in ((axes[1], "experience/retired", "retired questions (K/K)"),
                            (axes[2], "experience/replay_fraction", "replayed questions / batch")):
-        _band(ax, steps, _series(runs, key)[1], runs[0].arm.label)
+        _band(ax, *_series(runs, key), runs[0].arm.label)
         ax.set(xlabel="step", title=title)
     for key, label in (("replay/ratio_mean", "w = π/π_old (mean)"), ("replay/ratio_max", "w (max)"),
                        ("replay/shaped_weight_mean", "shaped f(w) (mean)")):
@@ -119,8 +134,10 @@ def _analyses(arms: dict[str, list[RunResult]], names: list[str], out: Path, ste
             _band(ax, *_series(arms[name], key), label)
         for key, kind in (("entropy/fresh_correct", "fresh correct"), ("entropy/replayed", "replayed")):
             steps, rows = _series(arms[name], key)
-            if not np.isnan(rows).all():
-                axes[2].plot(steps, np.nanmean(rows, 0), marker="o", markersize=2, label=f"{label}: {kind}")
+            logged = ~np.isnan(rows).all(0)  # steps where some seed logged it (replays start with the mixed phase)
+            if logged.any():
+                axes[2].plot(steps[logged], np.nanmean(rows[:, logged], 0), marker="o", markersize=2,
+                             label=f"{label}: {kind}")
     titles = ("training questions ever solved (coverage)", "zero-variance groups / groups rolled out",
               "token entropy of correct trajectories (seed mean)")
     for ax, title in zip(axes, titles):
@@ -298,13 +315,14 @@ def buffer_table(arms: dict[str, list[RunResult]], names: list[str]) -> list[str
     return lines
 
 
-def write_study_report(study: Study, out: str | Path, main_arms: list[str]) -> Path:
-    """Plots and tables for all arms; `main_arms` (e.g. GRPO and ExGRPO) get the curves and the buffer plot is
-    drawn for the last of them. Returns the markdown file (report.md in `out`)."""
+def write_study_report(study: Study, out: str | Path, main_arms: list[str], only: list[str] | None = None) -> Path:
+    """Plots and tables for all arms (or the arms in `only`, the baseline and `main_arms` among them); `main_arms` (e.g.
+    GRPO and ExGRPO) get the curves and the buffer plot is drawn for the last of them. Returns the markdown file
+    (report.md in `out`)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    arms = _by_arm(load_results(study))
-    names = [a.name for a in study.arms]
+    names = [a.name for a in study.arms if not only or a.name in only]
+    arms = _by_arm(load_results(study, names))
     ablations = [n for n in names if n not in main_arms]
     plots = _curves(arms, main_arms, out, "main")
     plots.append(_buffer(arms[main_arms[-1]], out, "main"))
