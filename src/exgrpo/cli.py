@@ -118,7 +118,8 @@ def _add_experiment_parser(sub) -> None:
                                    "interrupted ones), or write the study's plots and tables.")
     p.add_argument("action", choices=["run", "report"])
     p.add_argument("study", help="study YAML (see exgrpo.experiment)")
-    p.add_argument("--arms", nargs="+", metavar="ARM", help="only these arms (report: the baseline and --main among them)")
+    p.add_argument("--arms", nargs="+", metavar="ARM",
+                   help="only these arms (report: the baseline and --main among them)")
     p.add_argument("--seeds", nargs="+", type=int, metavar="SEED", help="run: only these seeds")
     p.add_argument("--output", default="docs/results", help="report: output directory (default: docs/results)")
     p.add_argument("--main", nargs="+", metavar="ARM",

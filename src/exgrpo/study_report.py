@@ -167,8 +167,7 @@ def _pct(x: float) -> str:
 
 def _paired_delta(runs: list[RunResult], reference: list[RunResult]) -> str:
     """Final accuracy minus the reference arm's on the same seed, mean ± std over the seeds both have."""
-    ref = {r.seed: r.final_accuracy for r in reference}
-    diffs = np.array([r.final_accuracy - ref[r.seed] for r in runs if r.seed in ref])
+    diffs = paired_difference(runs, reference).at_equal_steps
     if runs[0].arm == reference[0].arm or not len(diffs):
         return "—"
     return f"{100 * diffs.mean():+.1f} ± {100 * diffs.std(ddof=1):.1f}" if len(diffs) > 1 else \
@@ -245,8 +244,8 @@ def paired_table(arms: dict[str, list[RunResult]], names: list[str], baseline: s
 def analyses_table(arms: dict[str, list[RunResult]], names: list[str]) -> list[str]:
     """Per arm (mean over seeds): steps run (fewer than train.steps when every question retired), rollouts sampled,
     coverage, zero-variance share, entropies of correct trajectories (mean over the steps that have both)."""
-    lines = ["| arm | steps run | rollouts sampled | training questions ever solved | zero-variance groups | entropy: replayed | "
-             "entropy: fresh correct (same steps) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| arm | steps run | rollouts sampled | training questions ever solved | zero-variance groups | "
+             "entropy: replayed | entropy: fresh correct (same steps) |", "|---|---:|---:|---:|---:|---:|---:|"]
     for name in names:
         runs = arms[name]
         both = [m for r in runs for m in r.history if "entropy/replayed" in m and "entropy/fresh_correct" in m]
