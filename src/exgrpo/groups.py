@@ -24,6 +24,11 @@ class Member:
     engine_logprobs: list[float] | None = None  # the engine's log-prob of each sampled token, if it reports them
     demonstration: bool = False  # an external reference solution from the data (guidance), not sampled
 
+    @property
+    def sampled(self) -> bool:
+        """Rolled out by the policy in this step: neither a replay nor a demonstration."""
+        return self.replay is None and not self.demonstration
+
 
 @dataclass
 class Group:

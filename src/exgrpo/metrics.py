@@ -172,7 +172,7 @@ def step_metrics(phase: str, groups: Sequence[Group], rewards: GroupRewards, cor
                  timings: dict[str, float], elapsed: float) -> dict:
     """The metrics of one step (see METRICS); `correct` is (G, K), `timings` the `time/<stage>` seconds."""
     lengths = batch.completion_mask.sum(-1)
-    truncated = [m.truncated for g in groups for m in g.members if m.replay is None and not m.demonstration]
+    truncated = [m.truncated for g in groups for m in g.members if m.sampled]
     group_std = rewards.total.std(axis=1)
     n_exp = sum(g.members[0].replay is not None for g in groups)
     return {
@@ -216,8 +216,7 @@ def trajectory_entropy_metrics(groups: Sequence[Group], correct: np.ndarray, bat
     correct fresh rollouts. `correct` is (G, K); `token_entropy` (N, T) as the update computed it."""
     members = [m for g in groups for m in g.members]
     kinds = {"entropy/replayed": [m.replay is not None for m in members],
-             "entropy/fresh_correct": [m.replay is None and not m.demonstration and bool(c)
-                                       for m, c in zip(members, correct.reshape(-1))]}
+             "entropy/fresh_correct": [m.sampled and bool(c) for m, c in zip(members, correct.reshape(-1))]}
     out = {}
     for name, selected in kinds.items():
         rows = torch.tensor(selected, dtype=torch.bool)
