@@ -5,7 +5,7 @@
 On one real batch (the step benchmark's: B prompts of the demo's addition set, K rollouts each from exgrpo's own
 HFEngine, SmolLM2 with the demo's LoRA), one JSON line per variant, medians of R repeats after a warm-up:
 
-* "update/current": the trainer's own micro-batch path (`exgrpo.policy.token_logprobs` with entropies, `mixed_policy_loss`,
+* "update/current": the trainer's own micro-batch path (`exgrpo.learner.policy.token_logprobs` with entropies, `mixed_policy_loss`,
   backward), split into forward and loss+backward; "update/current_entropy_bonus": the same with the default
   entropy_coef 0.001 (the step benchmark uses 0, as TRL does), so the entropy term is differentiated too.
 * "update/no_entropy": the same without computing token entropies in the training forward.
@@ -38,11 +38,13 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 from exgrpo.config import config_from_dict  # noqa: E402
 from exgrpo.data import load_questions  # noqa: E402
-from exgrpo.models import LoraSettings, apply_lora, load_policy  # noqa: E402
-from exgrpo.objective import mixed_policy_loss  # noqa: E402
-from exgrpo.policy import pack, token_logprobs  # noqa: E402
-from exgrpo.trainer import WARMUP, ExGRPOTrainer  # noqa: E402
-from exgrpo.update import loss_settings  # noqa: E402
+from exgrpo.config import LoraConfig
+from exgrpo.models import apply_lora, load_policy  # noqa: E402
+from exgrpo.learner.objective import mixed_policy_loss  # noqa: E402
+from exgrpo.learner.policy import pack, token_logprobs  # noqa: E402
+from exgrpo.records import WARMUP  # noqa: E402
+from exgrpo.training.trainer import ExGRPOTrainer  # noqa: E402
+from exgrpo.learner.update import loss_settings  # noqa: E402
 
 DEMO_DATA = ("reasoning_gym:basic_arithmetic?size=64&seed=1&min_terms=2&max_terms=2&min_digits=1&max_digits=2"
              "&operators=+&allow_negation=false&allow_parentheses=false")
@@ -67,7 +69,7 @@ def bench_model(name: str, repeats: int) -> None:
     preset, B, K, T, lora = MODELS[name]
     model, tok = load_policy(preset)
     if lora:
-        model = apply_lora(model, LoraSettings(32, 64, 0.0, "all-linear"))
+        model = apply_lora(model, LoraConfig(32, 64, 0.0, "all-linear"))
     config = config_from_dict({
         "rollout": {"num_generations": K, "max_completion_length": T},
         "objective": {"normalizer": float(T), "entropy_coef": 0.0},
@@ -81,7 +83,7 @@ def bench_model(name: str, repeats: int) -> None:
     qs = questions[:B]
     prompts = [trainer.prompt_ids(q) for q in qs]
     t = time.perf_counter()
-    rollouts = trainer.engine.generate([p for p in prompts for _ in range(K)], trainer.sampling,
+    rollouts = trainer.engine.generate([p for p in prompts for _ in range(K)], trainer.generation.sampling,
                                        list(range(B * K)))
     rollout_s = time.perf_counter() - t
     packed = pack([(prompts[i // K], ids, None) for i, ids in enumerate(rollouts.completion_ids)],
@@ -170,11 +172,11 @@ def bench_model(name: str, repeats: int) -> None:
 
         def lora_rollout():
             t0 = time.perf_counter()
-            a = trainer.engine.generate(rows, trainer.sampling, list(range(B * K)))
+            a = trainer.engine.generate(rows, trainer.generation.sampling, list(range(B * K)))
             t1 = time.perf_counter()
             trainer.model.merge_adapter()
             t2 = time.perf_counter()
-            b = trainer.engine.generate(rows, trainer.sampling, list(range(B * K)))
+            b = trainer.engine.generate(rows, trainer.generation.sampling, list(range(B * K)))
             t3 = time.perf_counter()
             trainer.model.unmerge_adapter()
             t4 = time.perf_counter()

@@ -38,7 +38,7 @@ def out(record: dict) -> None:
 
 def step_times(rounds: int) -> None:
     from exgrpo.config import load_config
-    from exgrpo.run import build_run
+    from exgrpo.training.run import build_run
 
     runs = {}
     for name, overrides in ENGINES.items():

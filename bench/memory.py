@@ -44,14 +44,15 @@ def measure_micro_batch(model_name: str, length: int, chunk: int | None, checkpo
     import torch
 
     from exgrpo.config import config_from_dict
-    from exgrpo.distributed import Distributed
-    from exgrpo.models import LoraSettings, load_policy
-    from exgrpo.objective import LossSettings, mixed_policy_loss
-    from exgrpo.policy import pack
-    from exgrpo.update import PolicyUpdate
+    from exgrpo.runtime.distributed import Distributed
+    from exgrpo.config import LoraConfig
+    from exgrpo.models import load_policy
+    from exgrpo.learner.objective import LossSettings, mixed_policy_loss
+    from exgrpo.learner.policy import pack
+    from exgrpo.learner.update import PolicyUpdate
 
     torch.set_num_threads(2)
-    model, tok = load_policy(model_name, lora=LoraSettings(32, 64, 0.0, "all-linear") if lora else None)
+    model, tok = load_policy(model_name, lora=LoraConfig(32, 64, 0.0, "all-linear") if lora else None)
     config = config_from_dict({"train": {"logprob_chunk_tokens": chunk, "activation_checkpointing": checkpointing,
                                          "mini_batches": 1}})
     update = PolicyUpdate(model, config.train, group_size=2, temperature=1.0, dist=Distributed())
@@ -85,11 +86,11 @@ def measure_ranks(model_name: str, sharding: str, length: int) -> None:
     import torch.distributed as dist
 
     from exgrpo.config import config_from_dict
-    from exgrpo.distributed import init_distributed
+    from exgrpo.runtime.distributed import init_distributed
     from exgrpo.models import load_policy
-    from exgrpo.objective import LossSettings, mixed_policy_loss
-    from exgrpo.policy import pack
-    from exgrpo.update import PolicyUpdate
+    from exgrpo.learner.objective import LossSettings, mixed_policy_loss
+    from exgrpo.learner.policy import pack
+    from exgrpo.learner.update import PolicyUpdate
 
     torch.set_num_threads(1)
     ctx = init_distributed()

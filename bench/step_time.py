@@ -48,10 +48,11 @@ import torch  # noqa: E402
 
 from exgrpo.config import config_from_dict  # noqa: E402
 from exgrpo.data import load_questions, render_prompt  # noqa: E402
-from exgrpo.models import LoraSettings, apply_lora, load_policy  # noqa: E402
+from exgrpo.config import LoraConfig
+from exgrpo.models import apply_lora, load_policy  # noqa: E402
 from exgrpo.rewards import GradingPool, grade_math  # noqa: E402
-from exgrpo.tracking import Tracker  # noqa: E402
-from exgrpo.trainer import ExGRPOTrainer  # noqa: E402
+from exgrpo.runtime.tracking import Tracker  # noqa: E402
+from exgrpo.training.trainer import ExGRPOTrainer  # noqa: E402
 
 DEMO_DATA = ("reasoning_gym:basic_arithmetic?size=800&seed=1&min_terms=2&max_terms=2&min_digits=1&max_digits=2"
              "&operators=+&allow_negation=false&allow_parentheses=false")
@@ -66,7 +67,7 @@ PRESETS = {
 SUFFIX = " Answer with only the final number."
 PHASES = ["time/rollout", "time/logprob", "time/reward", "time/selection", "time/buffer", "time/update",
           "time/tracking"]
-LORA = LoraSettings(r=32, alpha=64, dropout=0.0, target_modules="all-linear")
+LORA = LoraConfig(r=32, alpha=64, dropout=0.0, target_modules="all-linear")
 
 
 def out(record: dict) -> None:
@@ -175,7 +176,7 @@ def build_trl(preset: dict, rendered: list[dict], reward, threads: int, steps: i
         dataloader_num_workers=0, seed=1, log_completions=False,
     )
     peft_config = LoraConfig(r=LORA.r, lora_alpha=LORA.alpha, lora_dropout=LORA.dropout,
-                             target_modules=LORA.target_modules, task_type="CAUSAL_LM") if preset["lora"] else None
+                             target_modules=LORA.modules, task_type="CAUSAL_LM") if preset["lora"] else None
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=Dataset.from_list(rendered),
                           processing_class=tok, peft_config=peft_config, callbacks=[callback])
     from transformers.trainer_callback import PrinterCallback

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
+import subprocess
+import sys
+import traceback
+import warnings
 from collections import Counter
 from typing import Callable
 
@@ -12,7 +19,37 @@ from exgrpo.data import Question
 from exgrpo.models import load_policy
 from exgrpo.rollout import Rollouts
 
-torch.set_num_threads(2)
+# two cores: two threads, or one per pytest-xdist worker
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
+
+
+def run_cli(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    """`exgrpo ARGV` in this process, for cases that need no process of their own (locks held by another process,
+    kills, signals and rlimits do): its exit code and what it wrote to stdout and stderr, warnings included as the
+    CLI prints them. An uncaught exception is returned as a traceback on stderr with exit code 1, as the interpreter
+    would."""
+    from exgrpo.cli import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    threads, saved_env = torch.get_num_threads(), dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), warnings.catch_warnings():
+            warnings.simplefilter("default")
+            warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: \
+                sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+            try:
+                code = main(list(argv))
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 2
+            except Exception:
+                traceback.print_exc()
+                code = 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        torch.set_num_threads(threads)
+    return subprocess.CompletedProcess(["exgrpo", *argv], code, stdout.getvalue(), stderr.getvalue())
 
 
 class ScriptedEngine:

@@ -11,7 +11,7 @@ from exgrpo.config import ConfigError, config_from_dict, load_config
 from exgrpo.data import DataError, Question, load_questions
 from exgrpo.models import load_policy
 from exgrpo.rewards import GradingPool, combine_rewards
-from exgrpo.trainer import ExGRPOTrainer
+from exgrpo.training.trainer import ExGRPOTrainer
 
 
 def hang(completion, gold):

@@ -1,4 +1,5 @@
-"""Hostile use of real runs (tiny model, the CLI in a subprocess): one row per case, the expected outcome beside it.
+"""Hostile use of real runs (tiny model, the CLI in-process or, where a case needs its own process, in a subprocess):
+one row per case, the expected outcome beside it.
 
 Each case function gets a fresh directory and returns the finished process (or asserts more on its own); the
 table below pairs it with the exit code and a message that must appear on stderr.
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT.parent / "shared" / "data" / "benchmarks"
@@ -29,7 +31,10 @@ def start(run_dir, *args, preexec_fn=None, env=None):
                             text=True, preexec_fn=preexec_fn, start_new_session=True)
 
 
-def train(run_dir, *args, preexec_fn=None, env=None) -> subprocess.CompletedProcess:
+def train(run_dir, *args, preexec_fn=None, env=None, isolated=False) -> subprocess.CompletedProcess:
+    """`exgrpo train` on the tiny config, in this process unless it needs its own (an rlimit, grading workers)."""
+    if not (isolated or preexec_fn):
+        return run_cli(["train", *BASE, f"logging.output_dir={run_dir}", *args], env={**ENV, **(env or {})})
     proc = start(run_dir, *args, preexec_fn=preexec_fn, env=env)
     _, stderr = proc.communicate(timeout=300)
     return subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr)
@@ -152,7 +157,7 @@ def ctrl_c_while_grading(d):
 
 def grading_timeouts(d):
     done = train(d, "reward.function=toy_rewards:hangs_once", "reward.workers=1", "reward.timeout=2",
-                 "train.steps=1", env={"TOY_MARKER": str(d.parent / "marker")})
+                 "train.steps=1", env={"TOY_MARKER": str(d.parent / "marker")}, isolated=True)
     assert last_metrics(d)["grading/timeouts"] > 0
     return done
 

@@ -15,7 +15,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from exgrpo import models  # noqa: E402
-from exgrpo.models import PRESETS, LoraSettings, PolicyNotFoundError, load_policy, save_policy  # noqa: E402
+from exgrpo.config import LoraConfig
+from exgrpo.models import PRESETS, PolicyNotFoundError, load_policy, save_policy  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
@@ -125,7 +126,7 @@ def test_bad_dtype_names_allowed_values(bad):
 def test_lora_only_adapter_params_train():
     from peft import PeftModel
 
-    model, tok = load_policy("tiny", lora=LoraSettings(r=4, alpha=8))
+    model, tok = load_policy("tiny", lora=LoraConfig(r=4, alpha=8))
     assert isinstance(model, PeftModel)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable, "LoRA must add trainable parameters"
@@ -143,10 +144,17 @@ def test_lora_only_adapter_params_train():
     assert grads and grads <= trainable
 
 
-def test_lora_target_modules_list():
-    model, _ = load_policy("tiny", lora=LoraSettings(r=2, alpha=4, target_modules=["q_proj", "v_proj"]))
+@pytest.mark.parametrize("modules, expected", [("q_proj,v_proj", {"q_proj", "v_proj"}), ("q_proj", {"q_proj"}),
+                                               (" q_proj , o_proj", {"q_proj", "o_proj"})])
+def test_lora_target_modules_comma_list_and_single_names(modules, expected):
+    """The config's comma list reaches peft as names (a lone string would be a regex over full module paths)."""
+    from exgrpo.config import load_config
+
+    lora = load_config(None, ["model.lora.r=2", f"model.lora.target_modules={modules}"]).model.lora
+    model, _ = load_policy("tiny", lora=lora)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    assert trainable and all(("q_proj" in n or "v_proj" in n) and "lora_" in n for n in trainable)
+    adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trainable}
+    assert trainable and adapted == expected and all("lora_" in n for n in trainable)
 
 
 # ---------------------------------------------------------------------------------------------------- errors
@@ -199,7 +207,7 @@ def test_save_and_reload_full_model(tmp_path):
 
 
 def test_save_and_reload_lora_adapter(tmp_path):
-    model, tok = load_policy("tiny:3", lora=LoraSettings(r=2, alpha=4))
+    model, tok = load_policy("tiny:3", lora=LoraConfig(r=2, alpha=4))
     with torch.no_grad():  # LoRA B starts at zero; make the adapter matter
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -214,7 +222,7 @@ def test_save_and_reload_lora_adapter(tmp_path):
     ids = tok("hello", return_tensors="pt", add_special_tokens=False).input_ids
     with torch.no_grad():
         assert torch.allclose(model(ids).logits, reloaded(ids).logits, atol=1e-6)
-    trainable, _ = load_policy(str(tmp_path / "adapter"), lora=LoraSettings())
+    trainable, _ = load_policy(str(tmp_path / "adapter"), lora=LoraConfig())
     assert any(p.requires_grad for p in trainable.parameters())
 
 

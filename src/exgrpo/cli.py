@@ -15,12 +15,11 @@ from rich.table import Table
 
 from exgrpo.config import ConfigError, load_config
 from exgrpo.errors import ExgrpoError, ExgrpoWarning
-from exgrpo.evaluation.run import add_eval_parser, eval_command
 
 
 def _train(args, overrides) -> int:
     from exgrpo.config import read_yaml
-    from exgrpo.run import build_run, start_point
+    from exgrpo.training.run import prepared_run
 
     if args.overwrite:
         overrides = overrides + ["logging.overwrite=true"]
@@ -33,15 +32,11 @@ def _train(args, overrides) -> int:
         config = load_config(args.config, overrides + [f"logging.output_dir={args.resume}"], base=base)
     else:
         config = load_config(args.config, overrides)
-    config, checkpoint = start_point(config, resume=bool(args.resume), log=_note)
-    run = build_run(config)
-    try:
+    with prepared_run(config, resume=bool(args.resume), log=_note) as (run, checkpoint):
         if checkpoint is not None:
             run.trainer.resume(checkpoint)
             _note(f"resumed from {checkpoint} at step {run.trainer.step}")
         run.trainer.train()
-    finally:
-        run.close()
     return 0
 
 
@@ -51,25 +46,23 @@ def _note(message: str) -> None:
 
 def _demo(args, overrides) -> int:
     """Held-out accuracy before, ExGRPO training (with periodic held-out evaluation), after, a table and a report."""
-    from exgrpo.report import before_after_rows, write_report
-    from exgrpo.run import build_run, start_point
+    from exgrpo.studies.demo_report import before_after_rows, write_report
+    from exgrpo.training.metrics import mixed_phase_start
+    from exgrpo.training.run import prepared_run
 
     console = Console()
     start = time.perf_counter()
     # a demo always starts fresh: a previous demo run in its directory is replaced
-    config, _ = start_point(load_config(args.config, overrides + ["logging.overwrite=true"]), resume=False)
+    config = load_config(args.config, overrides + ["logging.overwrite=true"])
     console.print(f"[bold]exgrpo demo[/]: {config.model.name} on {config.data.train} (in {config.logging.output_dir})")
-    run = build_run(config)
-    trainer = run.trainer
-    try:
+    with prepared_run(config, resume=False) as (run, _):
+        trainer = run.trainer
         console.print(f"evaluating {len(trainer.eval_dataset)} held-out questions × {config.eval.samples} samples ...")
         before = trainer.evaluate()
         console.print(f"before training: {before}")
         history = trainer.train()
         ends_with_eval = bool(history) and "eval/accuracy" in history[-1]
         after = trainer.last_evaluation if ends_with_eval else trainer.evaluate()
-    finally:
-        run.close()
     evaluations = [(0, before.mean)] + [(i + 1, m["eval/accuracy"]) for i, m in enumerate(history)
                                          if "eval/accuracy" in m]
     if not ends_with_eval:
@@ -80,7 +73,7 @@ def _demo(args, overrides) -> int:
     table.add_column("value")
     for a, b in before_after_rows(before, after):
         table.add_row(a, b)
-    switch = next((i + 1 for i, m in enumerate(history) if m["phase"] == "mixed"), None)
+    switch = mixed_phase_start(history)
     table.add_row("steps / mixed phase from", f"{len(history)} / {switch}")
     table.add_row("experiential questions replayed", f"{sum(m['experience/replayed'] for m in history):.0f}")
     table.add_row("wall time (this command)", f"{wall / 60:.1f} min")
@@ -93,13 +86,13 @@ def _demo(args, overrides) -> int:
 
 def _experiment(args) -> int:
     """Run (or resume) the runs of a multi-seed study, or write its report."""
-    from exgrpo.experiment import load_study, run_study
+    from exgrpo.studies.runner import load_study, run_study
 
     study = load_study(args.study)
     if args.action == "run":
         run_study(study, arms=args.arms, seeds=args.seeds, log=lambda m: print(f"exgrpo experiment: {m}", flush=True))
         return 0
-    from exgrpo.study_report import write_study_report
+    from exgrpo.studies.report import write_study_report
 
     main_arms = args.main or [study.baseline]
     for name in main_arms + (args.arms or []):
@@ -117,7 +110,7 @@ def _add_experiment_parser(sub) -> None:
                        description="Train every arm × seed of a study file (skipping complete runs, resuming "
                                    "interrupted ones), or write the study's plots and tables.")
     p.add_argument("action", choices=["run", "report"])
-    p.add_argument("study", help="study YAML (see exgrpo.experiment)")
+    p.add_argument("study", help="study YAML (see exgrpo.studies.runner)")
     p.add_argument("--arms", nargs="+", metavar="ARM",
                    help="only these arms (report: the baseline and --main among them)")
     p.add_argument("--seeds", nargs="+", type=int, metavar="SEED", help="run: only these seeds")
@@ -139,10 +132,9 @@ def _add_eval_parser(sub) -> None:
                    help="directory with test.id.parquet, ood.arc_c.parquet, ood.gpqa.parquet, or one parquet file "
                         "(default: $EXGRPO_BENCHMARKS)")
     p.add_argument("--hf", action="store_true", help="load the public Hugging Face copies instead (needs `datasets`)")
-    p.add_argument("--preset", choices=["paper"], default="paper",
-                   help="samples per question: paper = 32 on AIME24/25 and AMC, 1 elsewhere (avg@32 / pass@1)")
     p.add_argument("--samples", type=int, metavar="N",
-                   help="samples per question on every benchmark (overrides the preset)")
+                   help="samples per question on every benchmark (default: the paper's, 32 on AIME24/25 and AMC "
+                        "and 1 elsewhere: avg@32 / pass@1)")
     p.add_argument("--limit", type=int, metavar="N", help="first N distinct questions per benchmark (quick runs)")
     p.add_argument("--max-new-tokens", type=int, default=8192)
     p.add_argument("--temperature", type=float, default=0.6)
@@ -158,6 +150,8 @@ def _add_eval_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=64, help="sequences generated together")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--engine", default="hf", choices=["hf", "vllm"],
+                   help="hf: transformers generate; vllm: an in-process vLLM engine (needs the vllm extra)")
     p.add_argument("--workers", type=int, default=2, help="grading processes (0: grade in-process, no timeout)")
 
 
@@ -174,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "logging.output_dir, starting fresh when there is no run there)")
             p.add_argument("--overwrite", action="store_true",
                            help="start a fresh run even if logging.output_dir holds another run (deletes it)")
-    add_eval_parser(sub)
+    _add_eval_parser(sub)
     _add_experiment_parser(sub)
     args, overrides = parser.parse_known_args(argv)
     if args.command == "eval":
@@ -182,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(overrides)}")
         if args.samples is not None and args.samples < 1 or args.limit is not None and args.limit < 1:
             parser.error("--samples and --limit must be positive")
+        from exgrpo.evaluation.run import eval_command
+
         return eval_command(args, sys.argv[1:] if argv is None else argv)
     library_format = warnings.formatwarning
     warnings.formatwarning = lambda message, category, *rest: f"exgrpo: warning: {message}\n" \
@@ -198,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     except ExgrpoError as e:
         print(f"exgrpo: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        warnings.formatwarning = library_format
 
 
 if __name__ == "__main__":

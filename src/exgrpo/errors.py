@@ -19,3 +19,7 @@ class TrainingError(ExgrpoError):
 
 class ExgrpoWarning(UserWarning):
     """Something the user should know about a run (the CLI prints it as `exgrpo: warning: ...`)."""
+
+
+class ConfigError(ExgrpoError, ValueError):
+    """A config file or override that cannot be honoured; the message names the field."""

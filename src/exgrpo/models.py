@@ -27,12 +27,12 @@ import shutil
 import string
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from exgrpo.config import LoraConfig
 from exgrpo.errors import ExgrpoError
 
 logger = logging.getLogger(__name__)
@@ -69,16 +69,6 @@ class PolicyNotFoundError(ExgrpoError, FileNotFoundError, ValueError):
     """
 
 
-@dataclass
-class LoraSettings:
-    """LoRA adapter settings, applied with ``peft.get_peft_model``."""
-
-    r: int = 32
-    alpha: int = 64
-    dropout: float = 0.0
-    target_modules: list[str] | str = "all-linear"
-
-
 # --------------------------------------------------------------------------------------------------------------
 # public API
 
@@ -87,7 +77,7 @@ def load_policy(
     name_or_path: str,
     *,
     dtype: str = "float32",
-    lora: LoraSettings | None = None,
+    lora: LoraConfig | None = None,
     cache_dir: str | None = None,
     trust_remote_code: bool = False,
 ) -> tuple[Any, Any]:
@@ -141,18 +131,13 @@ def save_model(model: Any, directory: str | os.PathLike, state_dict: dict | None
     model.save_pretrained(str(directory), **kwargs)
 
 
-def apply_lora(model: Any, settings: LoraSettings) -> Any:
-    """Wrap ``model`` in a trainable LoRA adapter; the base weights are frozen."""
-    from peft import LoraConfig, get_peft_model
+def apply_lora(model: Any, settings: LoraConfig) -> Any:
+    """Wrap ``model`` in a trainable LoRA adapter (the `model.lora` config section); the base weights are frozen."""
+    import peft
 
-    config = LoraConfig(
-        r=settings.r,
-        lora_alpha=settings.alpha,
-        lora_dropout=settings.dropout,
-        target_modules=settings.target_modules,
-        task_type="CAUSAL_LM",
-    )
-    return get_peft_model(model, config)
+    config = peft.LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                             target_modules=settings.modules, task_type="CAUSAL_LM")
+    return peft.get_peft_model(model, config)
 
 
 def default_cache_dir() -> Path:
@@ -296,7 +281,7 @@ def _load_pretrained(name: str, torch_dtype: torch.dtype, trust_remote_code: boo
 def _load_adapter_dir(
     directory: Path,
     torch_dtype: torch.dtype,
-    lora: LoraSettings | None,
+    lora: LoraConfig | None,
     cache_dir: str | None,
     trust_remote_code: bool,
 ) -> tuple[Any, Any]:
@@ -480,7 +465,6 @@ def _load_smollm2(torch_dtype: torch.dtype, cache_dir: str | None) -> tuple[Any,
 __all__ = [
     "PRESETS",
     "CHATML_TEMPLATE",
-    "LoraSettings",
     "PolicyNotFoundError",
     "apply_lora",
     "default_cache_dir",

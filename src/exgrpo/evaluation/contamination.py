@@ -14,10 +14,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import sys
+import warnings
 from pathlib import Path
 from typing import Sequence
 
 from exgrpo.data import DataError, Question
+from exgrpo.errors import ExgrpoWarning
 
 FINGERPRINTS = Path(__file__).with_name("benchmark_questions.txt")
 
@@ -48,16 +50,22 @@ def benchmark_of(question: Question, suffix: str = "") -> str | None:
 def screen_benchmark_questions(questions: Sequence[Question], policy: str, where: str,
                                suffix: str = "") -> list[Question]:
     """Apply `data.benchmark_overlap` to a question set named `where` (loaded with prompt suffix `suffix`):
-    "refuse" raises a DataError listing the first matches, "drop" returns the others, "allow" returns all."""
+    "refuse" raises a DataError listing the first matches, "drop" returns the others with a warning that counts
+    them (an error when none is left), "allow" returns all."""
     if policy == "allow":
         return list(questions)
     hits = [(q, b) for q in questions if (b := benchmark_of(q, suffix)) is not None]
     if not hits:
         return list(questions)
+    examples = ", ".join(f"{q.id} ({b})" for q, b in hits[:3])
     if policy == "drop":
+        if len(hits) == len(questions):
+            raise DataError(f"{where}: all {len(questions)} questions are benchmark test questions (e.g. {examples}), "
+                            "so data.benchmark_overlap=drop leaves none; use a disjoint set")
+        warnings.warn(ExgrpoWarning(f"{where}: dropped {len(hits)} of {len(questions)} questions that are benchmark "
+                                    f"test questions (data.benchmark_overlap=drop), e.g. {examples}"), stacklevel=2)
         dropped = {id(q) for q, _ in hits}
         return [q for q in questions if id(q) not in dropped]
-    examples = ", ".join(f"{q.id} ({b})" for q, b in hits[:3])
     raise DataError(f"{where}: {len(hits)} of {len(questions)} questions are benchmark test questions, e.g. "
                     f"{examples}; use a disjoint set, or set data.benchmark_overlap to drop (skip them) or allow "
                     "(a deliberate contamination study)")

@@ -179,42 +179,6 @@ def _slugs(labels: Sequence[str]) -> list[str]:
 # --- the command line --------------------------------------------------------------------------------------
 
 
-def add_eval_parser(sub) -> None:
-    p = sub.add_parser("eval", help="evaluate models on the paper's benchmarks (spec §8)",
-                       description="Sample each benchmark question under the paper's protocol, grade, and print "
-                                   "a table with the paper's columns (one row per model).")
-    p.add_argument("--model", action="append", required=True, metavar="PATH_OR_PRESET",
-                   help="a preset (smollm2-135m-instruct, tiny), a local checkpoint or a HF id; repeat for a table")
-    p.add_argument("--benchmarks", default="all",
-                   help="comma list of aime24,aime25,amc,math500,minerva,olympiad,arc_c,gpqa, or all|id|ood "
-                        "(default: all)")
-    p.add_argument("--data", metavar="DIR_OR_FILE",
-                   help="directory with test.id.parquet, ood.arc_c.parquet, ood.gpqa.parquet, or one parquet file "
-                        "(default: $EXGRPO_BENCHMARKS)")
-    p.add_argument("--hf", action="store_true", help="load the public Hugging Face copies instead (needs `datasets`)")
-    p.add_argument("--samples", type=int, metavar="N",
-                   help="samples per question on every benchmark (default: the paper's, 32 on AIME24/25 and AMC "
-                        "and 1 elsewhere: avg@32 / pass@1)")
-    p.add_argument("--limit", type=int, metavar="N", help="first N distinct questions per benchmark (quick runs)")
-    p.add_argument("--max-new-tokens", type=int, default=8192)
-    p.add_argument("--temperature", type=float, default=0.6)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--think", action="store_true",
-                   help="end prompts with '<think>\\n' (for think-tuned models; it is prepended before grading)")
-    p.add_argument("--think-gate", action="store_true",
-                   help="grade only after the first '</think>', 0 without one (training reward; not the paper's eval)")
-    p.add_argument("--keep-system", action="store_true", help="keep the data's system message (the paper drops it)")
-    p.add_argument("--grade-all-text", action="store_true",
-                   help="math: math-verify on the whole completion (training reward) instead of the last \\boxed{}")
-    p.add_argument("--output", default="runs/eval", help="output directory (default: runs/eval)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=64, help="sequences generated together")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--engine", default="hf", choices=["hf", "vllm"],
-                   help="hf: transformers generate; vllm: an in-process vLLM engine (needs the vllm extra)")
-    p.add_argument("--workers", type=int, default=2, help="grading processes (0: grade in-process, no timeout)")
-
-
 def eval_command(args, argv: list[str]) -> int:
     """The paper's evaluation protocol (spec §8) for one or more models; prints the paper's table."""
     console = Console(stderr=True)  # progress and notes on stderr; the table alone on stdout

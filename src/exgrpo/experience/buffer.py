@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from exgrpo.atomic import replaced_on_success
+from exgrpo.runtime.atomic import replaced_on_success
 
 _FORMAT_VERSION = 1
 
@@ -82,6 +82,13 @@ class ExperienceBuffer:
         max_trajectories_per_question: keep only the newest this many per question (None: unbounded).
         max_questions: hold at most this many questions, evicting the least recently updated (None: unbounded).
     """
+
+    @classmethod
+    def from_config(cls, experience, num_generations: int) -> "ExperienceBuffer":
+        """From the `experience` config section: collection bounds and capacity."""
+        e = experience
+        return cls(num_generations, lbound=e.lbound, rbound=e.rbound,
+                   max_trajectories_per_question=e.max_trajectories_per_question, max_questions=e.max_questions)
 
     def __init__(
         self,

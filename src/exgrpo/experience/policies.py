@@ -114,9 +114,10 @@ class PrioritizedReplay:
         self.success_rate = dict(state.get("success_rate", {}))
 
 
-def build_replay_policy(name: str, buffer: ExperienceBuffer, K: int, scheme: str, sigma: float,
-                        mean: float | None, retest_every: int) -> ReplayPolicy:
-    """The policy `experience.policy` names."""
+def build_replay_policy(name: str, buffer: ExperienceBuffer, *, num_generations: int, scheme: str = "normal",
+                        sigma: float = 1.0, mean: float | None = None, retest_every: int = 10) -> ReplayPolicy:
+    """The policy `experience.policy` names (the bucket scheme's settings and retest_every as in its config)."""
+    K = num_generations
     if name == "exgrpo":
         return BucketReplay(buffer, K, scheme, sigma, mean)
     if name == "prompt_replay":

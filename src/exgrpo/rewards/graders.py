@@ -18,7 +18,7 @@ def grade_math(completion: str, gold: str, think_gate: bool = False) -> float:
     With `think_gate`, a completion without "</think>" scores 0.0 and only the text after the first "</think>" is
     graded. The "<think>" half of the released gate is implied: our prompts end with "<think>\\n".
     Plain text is graded too: math-verify's expression fallback takes the last number in the text (but finds
-    none in "answer:12" or "(12)"; tests/test_rewards.py lists these grader gaps).
+    none in "answer:12" or "(12)"; tests/rewards/test_rewards.py lists these grader gaps).
     """
     if think_gate:
         completion = after_think(completion)

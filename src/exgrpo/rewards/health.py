@@ -21,6 +21,11 @@ class RewardWarning(ExgrpoWarning):
 
 
 class RewardHealth:
+    @classmethod
+    def from_config(cls, reward) -> "RewardHealth":
+        """From the `reward` config section (its declared range and success threshold)."""
+        return cls(reward.min_value, reward.max_value, reward.success_threshold)
+
     def __init__(self, min_value: float, max_value: float, success_threshold: float):
         self.min_value, self.max_value, self.threshold = min_value, max_value, success_threshold
         self._warned: set[tuple[str, str]] = set()

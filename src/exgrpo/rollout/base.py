@@ -28,6 +28,12 @@ class SamplingSettings:
     top_p: float = 1.0
     top_k: int = 0  # 0: off
 
+    @classmethod
+    def from_config(cls, rollout, temperature: float | None = None) -> "SamplingSettings":
+        """From the `rollout` config section (`temperature` in place of its own, e.g. eval.temperature)."""
+        return cls(rollout.max_completion_length, rollout.temperature if temperature is None else temperature,
+                   rollout.top_p, rollout.top_k)
+
 
 @dataclass
 class Rollouts:

@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from exgrpo.policy import distinct_rows
+from exgrpo.learner.policy import distinct_rows
 from exgrpo.rollout.base import Rollouts, SamplingSettings
 
 

@@ -1,0 +1,170 @@
+"""Building a config from dicts, YAML files and dotted command-line overrides; errors name the field."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from exgrpo.config.rules import changed_fields, validate
+from exgrpo.config.schema import ExGRPOConfig
+from exgrpo.errors import ConfigError
+
+
+def _resolve(tp: Any) -> tuple[Any, bool]:
+    """(inner type, optional?) of a field annotation."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return (args[0] if len(args) == 1 else tp), len(args) < len(typing.get_args(tp))
+    return tp, False
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    inner, optional = _resolve(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{where}: null is not allowed (expected {_describe(inner)})")
+    if dataclasses.is_dataclass(inner):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping of {sorted(f.name for f in dataclasses.fields(inner))}")
+        return _build(inner, value, where)
+    if typing.get_origin(inner) is Literal:
+        allowed = typing.get_args(inner)
+        if value not in allowed:
+            raise ConfigError(f"{where}: {value!r} is not allowed; expected one of {list(allowed)}")
+        return value
+    if inner is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if inner is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        try:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
+    if inner is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+    if inner is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported type {tp}")
+
+
+def _describe(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return f"one of {list(typing.get_args(tp))}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _build(cls, values: dict, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        of = f" of {prefix}" if prefix else ""
+        raise ConfigError(f"unknown config field '{where}'; allowed fields{of}: {sorted(names)}")
+    kwargs = {name: _coerce(v, hints[name], f"{prefix}.{name}" if prefix else name) for name, v in values.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # pragma: no cover - all fields have defaults
+        raise ConfigError(f"{prefix or 'config'}: {e}") from None
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(f"override '{dotted}': '{key}' is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
+    """Accept `key.sub=value`, `--key.sub=value` and `--key.sub value`; values are parsed as YAML scalars."""
+    pairs, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        key = arg[2:] if arg.startswith("--") else arg
+        if "=" in key:
+            key, raw = key.split("=", 1)
+        elif arg.startswith("--") and i + 1 < len(args):
+            i += 1
+            raw = args[i]
+        else:
+            raise ConfigError(f"override {arg!r} must look like section.field=value or --section.field value")
+        pairs.append((key, yaml.safe_load(raw) if raw != "" else ""))
+        i += 1
+    return pairs
+
+
+def read_yaml(path: Path, what: str):
+    """The parsed YAML of `path`; a missing file or invalid YAML is a ConfigError naming it."""
+    if not path.is_file():
+        raise ConfigError(f"{what} {path} does not exist")
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                base: dict | None = None) -> ExGRPOConfig:
+    """Defaults, then `base` (e.g. a checkpoint's resolved config) or the YAML file, then dotted overrides. Rules
+    about fields that apply only with others are judged on the fields the file and the overrides set."""
+    tree: dict = dict(base or {})
+    if path is not None:
+        path = Path(path)
+        loaded = read_yaml(path, "config file")
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+        tree = loaded or {}
+    given = _dotted_keys(tree) if path is not None else set()  # a resolved `base` sets every field
+    for key, value in parse_overrides(overrides or []):
+        _set_dotted(tree, key, value)
+        given.add(key)
+    try:
+        return _build_validated(tree, given)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+
+
+def config_from_dict(values: dict) -> ExGRPOConfig:
+    """A config from nested sections, e.g. {"train": {"steps": 4}}; the fields present count as set."""
+    return _build_validated(values, _dotted_keys(values))
+
+
+def _build_validated(tree: dict, given: set[str]) -> ExGRPOConfig:
+    config = _build(ExGRPOConfig, tree)
+    validate(config, given | changed_fields(config))
+    return config
+
+
+def _dotted_keys(tree: dict, prefix: str = "") -> set[str]:
+    out = set()
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        out |= _dotted_keys(value, dotted + ".") if isinstance(value, dict) else {dotted}
+    return out

@@ -1,0 +1,284 @@
+"""What a config must satisfy (every value and combination, checked before anything loads), the settings derived
+from it (precisions, the engine correction) and which changes a resume may make."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from exgrpo.errors import ConfigError
+
+# Every `cfg` below is an ExGRPOConfig; it is not imported here because the schema validates itself with these rules.
+
+
+def validate(cfg, given: set[str] | None = None) -> None:
+    """Every value and every combination, before anything is loaded; the error names the field and what it needs.
+
+    `given`: the dotted fields the user set (a YAML file, overrides), which rules of the form "x applies to y only"
+    are judged on; without it, the fields whose value differs from their default."""
+    _check_finite(cfg, "")
+    given = changed_fields(cfg) if given is None else given
+    for ok, message in _rules(cfg, given):
+        if not ok:
+            raise ConfigError(message)
+
+
+def changed_fields(cfg) -> set[str]:
+    """The dotted fields of `cfg` whose value differs from the default of its section."""
+    out = set()
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        default = type(section)()
+        for g in dataclasses.fields(section):
+            if getattr(section, g.name) != getattr(default, g.name):
+                out.add(f"{f.name}.{g.name}")
+    return out
+
+
+def _set_any(given: set[str], *fields: str) -> bool:
+    return any(f in given or any(g.startswith(f + ".") for g in given) for f in fields)
+
+
+_MAY_BE_INFINITE = {"train.skip_grad_norm"}
+
+
+def _check_finite(node, prefix: str) -> None:
+    for f in dataclasses.fields(node):
+        value, where = getattr(node, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_finite(value, where + ".")
+        elif isinstance(value, float) and not math.isfinite(value):
+            if not (value == math.inf and where in _MAY_BE_INFINITE):
+                raise ConfigError(f"{where} must be a finite number (got {value})")
+
+
+def _rules(cfg, given: set[str]):
+    """(condition, message) pairs, in field order; the first false one is reported."""
+    for section in (_model_and_data_rules, _reward_and_objective_rules, _train_eval_and_logging_rules):
+        yield from section(cfg)
+    for section in (_rollout_rules, _experience_rules, _guidance_rules):
+        yield from section(cfg, given)
+
+
+def _at_least(where: str, value, low) -> tuple[bool, str]:
+    return value >= low, f"{where} must be >= {low} (got {value})"
+
+
+def _positive(where: str, value) -> tuple[bool, str]:
+    return value > 0, f"{where} must be > 0 (got {value})"
+
+
+def _optional_at_least(where: str, value, low) -> tuple[bool, str]:
+    return value is None or value >= low, f"{where} must be null or >= {low} (got {value})"
+
+
+def _text(where: str, value) -> tuple[bool, str]:
+    return bool(value and value.strip()), f"{where} must be a non-empty string"
+
+
+def _model_and_data_rules(cfg):
+    """model.*, data.*"""
+    m, d = cfg.model, cfg.data
+    lora = m.lora
+    yield _text("model.name", m.name)
+    if lora is not None:
+        yield _at_least("model.lora.r", lora.r, 1)
+        yield _positive("model.lora.alpha", lora.alpha)
+        yield 0 <= lora.dropout < 1, f"model.lora.dropout must be in [0, 1) (got {lora.dropout})"
+        yield _text("model.lora.target_modules", lora.target_modules)
+        yield all(lora.modules), \
+            f"model.lora.target_modules must be all-linear or a comma list of module names (got {lora.target_modules!r})"
+    yield _text("data.train", d.train)
+    yield _text("data.split", d.split)
+    yield _optional_at_least("data.limit", d.limit, 1)
+    yield _at_least("data.holdout", d.holdout, 0)
+    yield d.eval is None or bool(d.eval.strip()), "data.eval must be null or a non-empty string"
+
+
+def _rollout_rules(cfg, given: set[str]):
+    """rollout.* (and the engine's interplay with objective and experience)"""
+    ro, o, e = cfg.rollout, cfg.objective, cfg.experience
+    K = cfg.rollout.num_generations
+    yield _at_least("rollout.num_generations", K, 2)
+    yield _at_least("rollout.max_completion_length", ro.max_completion_length, 1)
+    yield ro.temperature > 0, f"rollout.temperature must be > 0 (got {ro.temperature}; GRPO groups need sampling)"
+    yield 0 < ro.top_p <= 1, f"rollout.top_p must be in (0, 1] (got {ro.top_p})"
+    yield _at_least("rollout.top_k", ro.top_k, 0)
+    yield _at_least("rollout.generation_batch_size", ro.generation_batch_size, 1)
+    yield _optional_at_least("rollout.max_model_len", ro.max_model_len, 2)
+    yield 0 < ro.gpu_memory_utilization <= 1, \
+        f"rollout.gpu_memory_utilization must be in (0, 1] (got {ro.gpu_memory_utilization})"
+    yield ro.kv_cache_gb is None or ro.kv_cache_gb > 0, \
+        f"rollout.kv_cache_gb must be null or > 0 (got {ro.kv_cache_gb})"
+    yield _positive("rollout.sync_timeout", ro.sync_timeout)
+    yield _at_least("rollout.parity_every", ro.parity_every, 0)
+    yield ro.parity_threshold is None or ro.parity_threshold > 0, \
+        f"rollout.parity_threshold must be null or > 0 (got {ro.parity_threshold})"
+    yield ro.engine == "hf" or (ro.top_p == 1 and ro.top_k == 0), \
+        ("rollout.engine vllm reports log-probs renormalised over the top-p/top-k set, which the trainer does not "
+         "use: it needs rollout.top_p 1 and rollout.top_k 0")
+    yield ro.engine == "vllm" or not _set_any(given, "rollout.engine_dtype", "rollout.max_model_len",
+                                              "rollout.kv_cache_gb", "objective.engine_correction"), \
+        ("rollout.engine_dtype, max_model_len, kv_cache_gb and objective.engine_correction apply to rollout.engine "
+         "vllm only")
+    yield not (o.engine_correction == "none" and engine_precision(cfg) != compute_precision(cfg)), \
+        (f"the vllm engine samples in {engine_precision(cfg)} but the trainer computes in {compute_precision(cfg)}: "
+         "its log-probs differ, so objective.engine_correction must not be none (use tis or auto)")
+    yield o.tis_cap >= 1, f"objective.tis_cap must be >= 1 (got {o.tis_cap})"
+    yield _at_least("rollout.max_generation_rounds", ro.max_generation_rounds, 1)
+    yield ro.zero_variance != "keep" or not _set_any(given, "rollout.max_generation_rounds"), \
+        "rollout.max_generation_rounds applies to rollout.zero_variance backfill or replace_from_buffer only"
+    yield ro.zero_variance != "replace_from_buffer" or e.ratio > 0, \
+        "rollout.zero_variance replace_from_buffer needs a buffer: experience.ratio must be > 0"
+
+
+def _reward_and_objective_rules(cfg):
+    """reward.*, objective.*"""
+    rw, o = cfg.reward, cfg.objective
+    yield _at_least("reward.workers", rw.workers, 0)
+    yield _positive("reward.timeout", rw.timeout)
+    yield rw.min_value < rw.max_value, \
+        f"reward.min_value ({rw.min_value}) must be < reward.max_value ({rw.max_value})"
+    yield rw.min_value < rw.success_threshold <= rw.max_value, \
+        (f"reward.success_threshold ({rw.success_threshold}) must lie in (reward.min_value, reward.max_value] = "
+         f"({rw.min_value}, {rw.max_value}]: otherwise every rollout, or none, counts as correct")
+    yield rw.function is None or (rw.function.count(":") == 1 and all(rw.function.split(":"))), \
+        f"reward.function must look like 'module:name' (got {rw.function!r})"
+    yield not rw.think_gate or (rw.grader == "math" and rw.function is None), \
+        "reward.think_gate applies to the math grader only (reward.grader: math, no reward.function)"
+    yield 0 <= o.epsilon_low < 1, f"objective.epsilon_low must be in [0, 1) (got {o.epsilon_low})"
+    yield _at_least("objective.epsilon_high", o.epsilon_high, 0)
+    yield _positive("objective.beta", o.beta)
+    yield o.normalizer is None or o.normalizer > 0, f"objective.normalizer must be null or > 0 (got {o.normalizer})"
+    yield o.normalizer is None or o.aggregation == "sum_constant", \
+        f"objective.normalizer is used by aggregation sum_constant only (aggregation is {o.aggregation!r})"
+
+
+def _experience_rules(cfg, given: set[str]):
+    """experience.*"""
+    e = cfg.experience
+    K, B = cfg.rollout.num_generations, cfg.train.prompts_per_step
+    rbound = K - 1 if e.rbound is None else e.rbound
+    yield 0 <= e.ratio <= 1, f"experience.ratio must be in [0, 1] (got {e.ratio})"
+    yield e.ratio == 0 or math.floor(B * e.ratio + 1e-9) >= 1, \
+        (f"experience.ratio ({e.ratio}) x train.prompts_per_step ({B}) < 1: no batch could hold an experiential "
+         "question (use ratio 0 for GRPO)")
+    yield 0 <= e.start_threshold < 1, f"experience.start_threshold must be in [0, 1) (got {e.start_threshold})"
+    yield _positive("experience.bucket_sigma", e.bucket_sigma)
+    yield e.bucket_mean is None or 1 <= e.bucket_mean <= K - 1, \
+        f"experience.bucket_mean must be null or in [1, num_generations-1 = {K - 1}] (got {e.bucket_mean})"
+    yield e.bucket_scheme == "normal" or not _set_any(given, "experience.bucket_mean", "experience.bucket_sigma"), \
+        f"experience.bucket_mean and bucket_sigma apply to bucket_scheme normal only (scheme is {e.bucket_scheme!r})"
+    yield 0 <= e.lbound < rbound <= K - 1, \
+        (f"experience.lbound ({e.lbound}) < experience.rbound ({rbound}) <= num_generations-1 ({K - 1}) must hold, "
+         "with lbound >= 0")
+    yield _optional_at_least("experience.max_trajectories_per_question", e.max_trajectories_per_question, 1)
+    yield _optional_at_least("experience.max_questions", e.max_questions, 1)
+    yield _at_least("experience.selection_batch_size", e.selection_batch_size, 1)
+    yield _at_least("experience.retest_every", e.retest_every, 0)
+    yield e.policy == "prioritized" or not _set_any(given, "experience.retest_every"), \
+        "experience.retest_every applies to experience.policy prioritized only"
+    yield e.policy == "exgrpo" or e.ratio > 0, \
+        (f"experience.policy {e.policy} does nothing with experience.ratio 0 (plain GRPO): the mixed "
+         "phase, where replay policies act, needs experience.ratio > 0")
+
+
+def _guidance_rules(cfg, given: set[str]):
+    """guidance.*"""
+    g, K = cfg.guidance, cfg.rollout.num_generations
+    yield g.field is None or bool(g.field.strip()), "guidance.field must be null or a column name"
+    yield 1 <= g.members <= K - 1, \
+        f"guidance.members must be in [1, num_generations - 1 = {K - 1}] (got {g.members})"
+    yield _positive("guidance.gamma", g.gamma)
+    yield g.field is not None or not _set_any(given, "guidance.members", "guidance.mode", "guidance.gamma"), \
+        "guidance.members, mode and gamma apply only with guidance.field set"
+
+
+def _train_eval_and_logging_rules(cfg):
+    """train.*, eval.*, logging.*"""
+    m, d, t, ev, lg = cfg.model, cfg.data, cfg.train, cfg.eval, cfg.logging
+    B = cfg.train.prompts_per_step
+    yield _at_least("train.steps", t.steps, 1)
+    yield _at_least("train.prompts_per_step", B, 1)
+    yield _at_least("train.mini_batches", t.mini_batches, 1)
+    yield B % t.mini_batches == 0, \
+        (f"train.prompts_per_step ({B}) must be divisible by train.mini_batches ({t.mini_batches}): each "
+         "mini-batch holds whole groups")
+    yield _at_least("train.micro_batch_size", t.micro_batch_size, 1)
+    yield _optional_at_least("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch, 1)
+    yield _optional_at_least("train.logprob_chunk_tokens", t.logprob_chunk_tokens, 1)
+    yield t.dtype == "fp32" or m.dtype == "float32", \
+        f"train.dtype bf16 keeps fp32 master weights: it needs model.dtype float32 (got {m.dtype!r})"
+    yield _optional_at_least("data.max_prompt_length", d.max_prompt_length, 1)
+    yield 0 < t.learning_rate <= 1, f"train.learning_rate must be in (0, 1] for AdamW (got {t.learning_rate})"
+    yield _at_least("train.weight_decay", t.weight_decay, 0)
+    yield 0 <= t.adam_beta1 < 1, f"train.adam_beta1 must be in [0, 1) (got {t.adam_beta1})"
+    yield 0 <= t.adam_beta2 < 1, f"train.adam_beta2 must be in [0, 1) (got {t.adam_beta2})"
+    yield 0 <= t.warmup_steps <= t.steps * t.mini_batches, \
+        (f"train.warmup_steps must be in [0, train.steps x train.mini_batches = {t.steps * t.mini_batches}] "
+         f"optimizer steps (got {t.warmup_steps})")
+    yield _positive("train.max_grad_norm", t.max_grad_norm)
+    yield _positive("train.skip_grad_norm", t.skip_grad_norm)
+    yield _at_least("train.max_skipped_updates", t.max_skipped_updates, 0)
+    yield _at_least("train.seed", t.seed, 0)
+    yield _at_least("train.save_every", t.save_every, 0)
+    yield _at_least("train.save_total_limit", t.save_total_limit, 1)
+    yield _at_least("train.threads", t.threads, 0)
+    yield _at_least("eval.every", ev.every, 0)
+    yield _at_least("eval.samples", ev.samples, 1)
+    yield _positive("eval.temperature", ev.temperature)
+    yield _optional_at_least("eval.max_questions", ev.max_questions, 1)
+    yield _text("logging.output_dir", lg.output_dir)
+    yield _at_least("logging.sample_every", lg.sample_every, 0)
+
+
+def engine_correction_cap(cfg) -> float | None:
+    """objective.tis_cap when truncated IS corrects the engine (tis, or auto with the vllm engine in another
+    precision than the trainer's); None otherwise."""
+    mode = cfg.objective.engine_correction
+    mismatch = cfg.rollout.engine == "vllm" and engine_precision(cfg) != compute_precision(cfg)
+    return cfg.objective.tis_cap if mode == "tis" or (mode == "auto" and mismatch) else None
+
+
+def compute_precision(cfg) -> str:
+    """The dtype the trainer's forward passes run in."""
+    return "bfloat16" if cfg.train.dtype == "bf16" else cfg.model.dtype
+
+
+def engine_precision(cfg) -> str:
+    """The dtype rollouts are sampled in (the hf engine samples with the trainer's own forward)."""
+    r = cfg.rollout
+    return r.engine_dtype if r.engine == "vllm" and r.engine_dtype != "auto" else compute_precision(cfg)
+
+
+# Changing these on resume leaves the algorithm as it was: length, bookkeeping, memory, speed and sharding.
+RESUMABLE_CHANGES = ("train.steps", "train.save_every", "train.save_total_limit", "train.threads",
+                     "train.check_replicas", "train.max_skipped_updates", "train.micro_batch_size",
+                     "train.max_tokens_per_micro_batch", "train.logprob_chunk_tokens", "train.activation_checkpointing",
+                     "train.sharding",
+                     "rollout.generation_batch_size", "rollout.gpu_memory_utilization", "rollout.kv_cache_gb",
+                     "rollout.sync_timeout", "rollout.parity_every", "rollout.parity_threshold",
+                     "experience.selection_batch_size", "reward.workers",
+                     "reward.timeout", "eval.", "logging.")
+
+
+def config_changes(old: dict, new: dict) -> tuple[list[str], list[str]]:
+    """The fields where two resolved configs (`to_dict()`) differ, as "field: old -> new", split into (changes
+    that alter the algorithm, harmless ones listed in RESUMABLE_CHANGES)."""
+    def flat(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in tree.items():
+            if isinstance(value, dict) and not (prefix + key == "model.lora"):
+                out.update(flat(value, f"{prefix}{key}."))
+            else:
+                out[prefix + key] = value
+        return out
+
+    a, b = flat(old), flat(new)
+    algorithmic, harmless = [], []
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) != b.get(key):
+            line = f"{key}: {a.get(key)!r} -> {b.get(key)!r}"
+            is_harmless = any(key == h or (h.endswith(".") and key.startswith(h)) for h in RESUMABLE_CHANGES)
+            (harmless if is_harmless else algorithmic).append(line)
+    return algorithmic, harmless

@@ -1,0 +1,1 @@
+"""The learner: the policy forward (shared prompts, chunked head), the objective (pure functions) and the update."""

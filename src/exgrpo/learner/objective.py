@@ -1,0 +1,235 @@
+"""The ExGRPO objective as pure functions over tensors (spec §4).
+
+Shapes: G groups of K members; B sequences (B = G*K in a full batch, any subset in a mini-batch); T the padded
+completion length. ``mask`` is 1 on a sequence's completion tokens; ``replay_mask`` is 1 on replayed tokens.
+
+Per token:
+* fresh tokens, warm-up phase:  -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A),  r = exp(logp - old_logp)
+* fresh tokens, mixed phase:    -A*r  (unclipped, as released; ``clip_fresh=True`` keeps PPO clipping)
+* replayed tokens:              -A*f(w),  f(w) = w / (w + beta),  w = exp(logp - recorded_logp), never clipped
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+AGGREGATIONS = ("sum_constant", "token_mean", "seq_mean_token_mean")
+ADVANTAGE_SCALES = ("none", "group")
+
+
+def group_advantages(rewards: torch.Tensor, scale: str = "none", eps: float = 1e-4) -> torch.Tensor:
+    """Group-relative advantages.
+
+    Args:
+        rewards: (G, K) rewards of G groups of K members.
+        scale: "none" gives R - mean (released default); "group" gives (R - mean) / (std + eps).
+    Returns:
+        (G, K) advantages; a group whose rewards are all equal gets 0.
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be (num_groups, K), got shape {tuple(rewards.shape)}")
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    if scale == "none":
+        return centred
+    if scale == "group":
+        return centred / (rewards.std(dim=1, keepdim=True) + eps)
+    raise ValueError(f"unknown advantage scale {scale!r}; expected one of {ADVANTAGE_SCALES}")
+
+
+def policy_shaping(w: torch.Tensor, beta: float = 0.1) -> torch.Tensor:
+    """f(w) = w / (w + beta): damps large importance weights and lifts small ones (spec §4.2)."""
+    return w / (w + beta)
+
+
+def truncated_importance_weights(old_logp: torch.Tensor, engine_logp: torch.Tensor, engine_mask: torch.Tensor,
+                                 cap: float) -> torch.Tensor:
+    """(B, T) min(pi_old / pi_engine, cap) where the engine sampled the token (1 elsewhere), detached: the
+    correction of a rollout engine whose distribution differs slightly from the trainer's (truncated IS)."""
+    w = torch.exp(old_logp - engine_logp).clamp(max=cap)
+    return torch.where(engine_mask, w, torch.ones_like(w)).detach()
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    clip_fresh: bool = True  # PPO clipping of fresh tokens (the trainer turns it off in the mixed phase)
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    beta: float = 0.1  # policy-shaping constant; None-like behaviour is `shaping=False`
+    shaping: bool = True  # False replays with the plain ratio w (ablation)
+    aggregation: str = "sum_constant"
+    normalizer: float = 8192.0  # the constant of "sum_constant" (released: max completion length)
+    entropy_coef: float = 0.001
+    entropy_per_micro_batch: bool = False  # the bonus over each micro-batch's own tokens, summed (released)
+    guidance_gamma: float = 0.1  # shaping constant of demonstration tokens: f(pi) = pi / (pi + gamma)
+
+
+def token_losses(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    recorded_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    replay_mask: torch.Tensor,
+    settings: LossSettings,
+    demonstration_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token policy-gradient losses (B, T) and the per-token quantities behind them.
+
+    Args:
+        logp: (B, T) log-probs of the taken tokens under the policy being optimised.
+        old_logp: (B, T) log-probs under the policy before this step's update (fresh tokens' ratio).
+        recorded_logp: (B, T) behaviour log-probs recorded at collection (replayed tokens' ratio).
+        advantages: (B,) one advantage per sequence.
+        replay_mask: (B, T) bool, True on replayed tokens.
+        demonstration_mask: (B, T) bool, True on external demonstrations' tokens (a subset of replay_mask): no
+            behaviour probability exists, so they are weighted by LUFFY's f(pi) = pi / (pi + gamma) instead.
+    """
+    adv = advantages.unsqueeze(-1)
+    ratio = torch.exp(logp - old_logp)
+    if settings.clip_fresh:
+        clipped = torch.clamp(ratio, 1 - settings.epsilon_low, 1 + settings.epsilon_high)
+        fresh = -torch.min(ratio * adv, clipped * adv)
+    else:
+        fresh = -ratio * adv
+    w = torch.exp(logp - recorded_logp)
+    shaped = policy_shaping(w, settings.beta) if settings.shaping else w
+    if demonstration_mask is not None:
+        shaped = torch.where(demonstration_mask, policy_shaping(torch.exp(logp), settings.guidance_gamma), shaped)
+    replay = -shaped * adv
+    losses = torch.where(replay_mask, replay, fresh)
+    return losses, {"ratio": ratio, "w": w, "shaped": shaped}
+
+
+def aggregate(
+    token_values: torch.Tensor, mask: torch.Tensor, settings: LossSettings,
+    total_tokens: float | None = None, total_sequences: float | None = None,
+) -> torch.Tensor:
+    """Reduce (B, T) token values to a scalar.
+
+    sum_constant: sum / normalizer (Dr.GRPO-style, released default; micro-batch results add up exactly).
+    token_mean: sum / total_tokens. seq_mean_token_mean: sum of per-sequence token means / total_sequences.
+    total_tokens / total_sequences are those of the whole mini-batch when it is split into micro-batches for
+    gradient accumulation (default: this batch's), so that accumulated gradients equal the unsplit ones.
+    """
+    mask = mask.to(token_values.dtype)
+    if settings.aggregation == "sum_constant":
+        return (token_values * mask).sum() / settings.normalizer
+    if settings.aggregation == "token_mean":
+        denominator = mask.sum() if total_tokens is None else total_tokens
+        return (token_values * mask).sum() / max(float(denominator), 1.0)
+    if settings.aggregation == "seq_mean_token_mean":
+        per_seq = (token_values * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        denominator = mask.shape[0] if total_sequences is None else total_sequences
+        return per_seq.sum() / max(float(denominator), 1.0)
+    raise ValueError(f"unknown loss aggregation {settings.aggregation!r}; expected one of {AGGREGATIONS}")
+
+
+def mixed_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    recorded_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    replay_mask: torch.Tensor,
+    settings: LossSettings,
+    entropy: torch.Tensor | None = None,
+    total_tokens: float | None = None,
+    total_sequences: float | None = None,
+    engine_weight: torch.Tensor | None = None,
+    demonstration_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The ExGRPO loss of a (micro-)batch and detached statistics.
+
+    Args:
+        logp, old_logp, recorded_logp: (B, T) as in `token_losses`.
+        advantages: (B,).
+        mask: (B, T) 1 on completion tokens.
+        replay_mask: (B, T) bool, True on replayed tokens (a subset of mask).
+        entropy: (B, T) current-policy token entropies, for the bonus -entropy_coef * token-mean entropy.
+        engine_weight: (B, T) weights of fresh tokens' losses (`truncated_importance_weights`), or None.
+        demonstration_mask: (B, T) external demonstrations' tokens (see `token_losses`), or None.
+        total_tokens / total_sequences: mini-batch totals when this is one micro-batch of it. The entropy
+            bonus is a token mean over the whole mini-batch, or with `entropy_per_micro_batch` over this
+            micro-batch's tokens (so micro-batch bonuses add up, as released: spec §4.3).
+    Returns:
+        (loss scalar with grad, stats of plain floats).
+    """
+    mask = mask.to(logp.dtype)
+    replay_mask = replay_mask.bool() & mask.bool()
+    fresh_mask = mask * (~replay_mask).to(mask.dtype)
+    losses, parts = token_losses(logp, old_logp, recorded_logp, advantages, replay_mask, settings,
+                                 demonstration_mask)
+    if engine_weight is not None:
+        losses = torch.where(replay_mask, losses, losses * engine_weight)
+        parts["engine_weight"] = engine_weight
+    loss = aggregate(losses, mask, settings, total_tokens, total_sequences)
+    whole = total_tokens is None or settings.entropy_per_micro_batch
+    n_tokens = mask.sum() if whole else torch.tensor(float(total_tokens))
+    entropy_mean = None
+    if entropy is not None and settings.entropy_coef:
+        entropy_mean = (entropy * mask).sum() / n_tokens.clamp(min=1)
+        loss = loss - settings.entropy_coef * entropy_mean
+    replayed = replay_mask if demonstration_mask is None else replay_mask & ~demonstration_mask.bool()
+    return loss, _stats(parts, advantages, mask, fresh_mask, replayed, settings, entropy)
+
+
+@torch.no_grad()
+def _stats(parts, advantages, mask, fresh_mask, replayed, settings, entropy) -> dict[str, float]:
+    """`replayed`: (B, T) the replayed trajectories' tokens (demonstrations are off-policy but not replays)."""
+    ratio, w, shaped = parts["ratio"], parts["w"], parts["shaped"]
+    stats: dict[str, float] = {"tokens": float(mask.sum()), "fresh_tokens": float(fresh_mask.sum()),
+                               "replay_tokens": float(replayed.sum())}
+    fresh = fresh_mask.bool()
+    if fresh.any():
+        r = ratio[fresh]
+        adv = advantages.unsqueeze(-1).expand_as(ratio)[fresh]
+        low = (r < 1 - settings.epsilon_low) & (adv < 0)
+        high = (r > 1 + settings.epsilon_high) & (adv > 0)
+        stats.update({
+            "ratio/mean": float(r.mean()), "ratio/min": float(r.min()), "ratio/max": float(r.max()),
+            "clip_ratio/low_mean": float(low.float().mean()) if settings.clip_fresh else 0.0,
+            "clip_ratio/high_mean": float(high.float().mean()) if settings.clip_fresh else 0.0,
+            "clip_ratio/region_mean": float((low | high).float().mean()) if settings.clip_fresh else 0.0,
+        })
+        if "engine_weight" in parts:
+            ew = parts["engine_weight"][fresh]
+            stats.update({"tis/weight_mean": float(ew.mean()), "tis/weight_min": float(ew.min())})
+    if replayed.any():
+        wr = w[replayed]
+        stats.update({
+            "replay/ratio_mean": float(wr.mean()), "replay/ratio_min": float(wr.min()),
+            "replay/ratio_max": float(wr.max()), "replay/shaped_weight_mean": float(shaped[replayed].mean()),
+        })
+    if entropy is not None:
+        stats["entropy"] = float(masked_mean(entropy, mask))
+    return stats
+
+
+def merge_stats(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Combine the stats of several micro-batches as if computed over their union.
+
+    Means are weighted by the tokens they average over (fresh, replayed or all), minima and maxima reduce.
+    """
+    merged: dict[str, float] = {}
+    keys = {k for p in parts for k in p} - {"tokens", "fresh_tokens", "replay_tokens"}
+    for key in keys:
+        present = [p for p in parts if key in p]
+        if key.endswith("_min") or key.endswith("/min"):
+            merged[key] = min(p[key] for p in present)
+        elif key.endswith("_max") or key.endswith("/max"):
+            merged[key] = max(p[key] for p in present)
+        else:
+            if key.startswith(("ratio/", "clip_ratio/", "tis/")):
+                weights = [p["fresh_tokens"] for p in present]
+            elif key.startswith("replay/"):
+                weights = [p["replay_tokens"] for p in present]
+            else:  # entropy: over all completion tokens
+                weights = [p["tokens"] for p in present]
+            total = sum(weights)
+            merged[key] = sum(w * p[key] for w, p in zip(weights, present)) / total if total else 0.0
+    return merged

@@ -1,0 +1,339 @@
+"""The policy update of one training step (spec §4.3): M mini-batches of whole groups, gradient accumulation over
+micro-batches, one clipped AdamW step per mini-batch; and the pre-update log-probs that become the behaviour
+log-probs of collected trajectories.
+
+Under data parallelism each rank works on its shard of every mini-batch's groups. With `loss_scale: global` the
+loss is scaled by the world size, so that the ranks' averaged gradients equal the one-process update; with
+`per_rank` each rank's loss stands alone and the gradients are averaged (the released code's scale: spec §4.3).
+`train.sharding: ddp` wraps the model in DDP, `fsdp` shards it with FSDP2 (exgrpo.runtime.sharding).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from exgrpo.config import ExGRPOConfig, ObjectiveConfig, TrainConfig, engine_correction_cap
+from exgrpo.runtime.distributed import Distributed
+from exgrpo.errors import TrainingError
+from exgrpo.learner.objective import LossSettings, merge_stats, mixed_policy_loss, truncated_importance_weights
+from exgrpo.learner.policy import PackedBatch, candidate_scores, token_logprobs
+from exgrpo.runtime.sharding import all_finite, fully_shard_model, gathered, load_optimizer_state, optimizer_state
+from exgrpo.records import WARMUP
+from exgrpo.runtime.timing import StageTimer
+
+
+
+def loss_settings(objective: ObjectiveConfig, max_completion_length: int, phase: str,
+                  guidance_gamma: float = 0.1) -> LossSettings:
+    """The objective of a phase: PPO clipping of fresh tokens in the warm-up only (unless clip_after_switch)."""
+    o = objective
+    return LossSettings(
+        clip_fresh=phase == WARMUP or o.clip_after_switch, epsilon_low=o.epsilon_low, epsilon_high=o.epsilon_high,
+        beta=o.beta, shaping=o.policy_shaping, aggregation=o.aggregation,
+        normalizer=o.normalizer or float(max_completion_length), entropy_coef=o.entropy_coef,
+        entropy_per_micro_batch=o.loss_scale == "per_rank", guidance_gamma=guidance_gamma,
+    )
+
+
+def plan_micro_batches(rows: torch.Tensor, prompt_lengths: torch.Tensor, completion_lengths: torch.Tensor,
+                       max_rows: int, max_tokens: int | None) -> list[torch.Tensor]:
+    """Split `rows` into micro-batches of at most `max_rows` rows and, with `max_tokens`, at most that many
+    padded tokens (rows x (widest prompt + longest completion) among them). Under a token budget, rows are taken
+    longest first, so long and short rows do not share a micro-batch; a single row above the budget gets its own.
+    Without one, rows keep their order.
+
+    Args:
+        rows: (n,) row indices; prompt_lengths, completion_lengths: (N,) of every row of the batch.
+    """
+    if len(rows) == 0:
+        return []
+    if max_tokens is None:
+        return list(rows.split(max_rows))
+    order = sorted(rows.tolist(), key=lambda r: -int(prompt_lengths[r] + completion_lengths[r]))
+    micro, out, width_p, width_t = [], [], 0, 0
+    for r in order:
+        p, t = int(prompt_lengths[r]), int(completion_lengths[r])
+        if micro and (len(micro) == max_rows or (len(micro) + 1) * (max(width_p, p) + max(width_t, t)) > max_tokens):
+            out.append(torch.tensor(micro))
+            micro, width_p, width_t = [], 0, 0
+        micro.append(r)
+        width_p, width_t = max(width_p, p), max(width_t, t)
+    if micro:
+        out.append(torch.tensor(micro))
+    return out
+
+
+@dataclass
+class UpdateResult:
+    stats: dict[str, float]  # merged loss statistics, `loss` (summed over micro-batches) and mean `grad_norm`
+    behaviour_logp: torch.Tensor  # (N, T) pre-update log-probs of every row of the batch
+    token_entropy: torch.Tensor  # (N, T) token entropies from the training forward passes (0 off completions)
+
+
+class PolicyUpdate:
+    """Owns the (sharded or replicated) trainable model, its optimizer and scheduler, and applies one step's update.
+
+    Args:
+        model: the policy (possibly peft-wrapped); its trainable parameters are optimised. With FSDP it is
+            sharded in place here, before the optimizer is built.
+        train: optimizer, schedule, batching, precision, sharding and clipping settings.
+        group_size: K; mini-batches hold whole groups of K consecutive rows.
+        temperature: the rollout temperature (log-probs are those of the sampling distribution).
+        dist: the data-parallel context.
+        loss_scale: "global" or "per_rank" (see the module docstring).
+        tis_cap: weight fresh tokens by min(pi_old / pi_engine, tis_cap) where the engine reported log-probs;
+            None: no engine correction.
+        on_optimizer_step: called after every applied optimizer step (e.g. an engine reloading weights).
+    """
+
+    @classmethod
+    def from_config(cls, model, config: ExGRPOConfig, dist: Distributed,
+                    on_optimizer_step: Callable[[], None] = lambda: None) -> "PolicyUpdate":
+        """The update a run's config describes: train.*, K and temperature of rollout.*, objective.loss_scale, and
+        the engine correction (`exgrpo.config.engine_correction_cap`)."""
+        return cls(model, config.train, config.rollout.num_generations, config.rollout.temperature, dist,
+                   loss_scale=config.objective.loss_scale, tis_cap=engine_correction_cap(config),
+                   on_optimizer_step=on_optimizer_step)
+
+    def __init__(self, model, train: TrainConfig, group_size: int, temperature: float, dist: Distributed,
+                 loss_scale: str = "global", tis_cap: float | None = None,
+                 on_optimizer_step: Callable[[], None] = lambda: None):
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ValueError("the model has no trainable parameters")
+        per_mini_batch = train.prompts_per_step // train.mini_batches
+        if per_mini_batch < dist.world_size:
+            raise ValueError(f"train.prompts_per_step / train.mini_batches = {per_mini_batch} questions per "
+                             f"mini-batch cannot be shared by {dist.world_size} data-parallel ranks")
+        self.model, self.train, self.K, self.temperature, self.dist = model, train, group_size, temperature, dist
+        self.loss_scale, self.tis_cap, self.on_optimizer_step = loss_scale, tis_cap, on_optimizer_step
+        self.sharded = train.sharding == "fsdp" and dist.enabled
+        bf16 = train.dtype == "bf16"
+        if train.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.sharded:
+            fully_shard_model(model, dist, bf16)
+        # no buffer broadcast: the model's buffers (e.g. rotary frequencies) never change, and without it ranks may
+        # run different numbers of forward passes (one gradient all-reduce per mini-batch is what must match)
+        self.train_model = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) \
+            if dist.enabled and not self.sharded else model
+        self._autocast = bf16 and not self.sharded  # FSDP2 casts the parameters itself
+        # the KV-cache prompt sharing needs the cache, which activation checkpointing turns off; under FSDP every
+        # rank must run the same passes, so it is always on
+        self.prompt_sharing = "never" if train.activation_checkpointing else "always" if self.sharded else "auto"
+        # with dropout, the training forward is not the sampling policy: behaviour log-probs need their own pass
+        self.separate_behaviour_pass = train.mini_batches > 1 or any(
+            isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=train.learning_rate, weight_decay=train.weight_decay,
+                                           betas=(train.adam_beta1, train.adam_beta2))
+        from transformers import get_scheduler
+
+        self.scheduler = get_scheduler(train.lr_scheduler, self.optimizer, num_warmup_steps=train.warmup_steps,
+                                       num_training_steps=train.steps * train.mini_batches)
+        self.optimizer_steps = 0
+        self.skipped_updates = 0
+
+    @property
+    def learning_rate(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    def full_weights(self):
+        """A context for forward passes that ranks run different numbers of times (generation, scoring)."""
+        return gathered(self.model)
+
+    @contextlib.contextmanager
+    def rollout_weights(self):
+        """The context to sample in with the training model: its full weights, in the compute precision."""
+        with self.full_weights(), self.compute_precision():
+            yield
+
+    def compute_precision(self):
+        """A context in which forward passes run in the training precision (bf16 autocast over fp32 weights)."""
+        return torch.autocast(self.dist.device.type, dtype=torch.bfloat16, enabled=self._autocast)
+
+    def logprobs(self, model, batch: PackedBatch, rows: torch.Tensor | slice, with_entropy: bool):
+        """`token_logprobs` with this run's precision, chunking and prompt sharing."""
+        with self.compute_precision():
+            return token_logprobs(model, batch, self.temperature, rows, with_entropy, device=self.dist.device,
+                                  chunk_tokens=self.train.logprob_chunk_tokens, prompt_sharing=self.prompt_sharing)
+
+    def selection_scores(self, candidates: list[tuple[list[int], list[int]]], metric: str, pad_id: int,
+                         batch_size: int) -> list[float]:
+        """Replay-selection scores of (prompt ids, trajectory ids) pairs under the current policy (eval mode: no
+        dropout), in no-grad passes of `batch_size` candidates (see `exgrpo.learner.policy.candidate_scores`)."""
+        was_training = self.model.training
+        self.model.eval()
+        with self.full_weights():
+            scores = candidate_scores(lambda batch, entropy: self.logprobs(self.model, batch, slice(None), entropy),
+                                      candidates, metric, pad_id, batch_size)
+        self.model.train(was_training)
+        return scores
+
+    def __call__(self, batch: PackedBatch, advantages: torch.Tensor, settings: LossSettings,
+                 importance_correction: bool, rng: np.random.Generator, timer: StageTimer) -> UpdateResult:
+        """Update on `batch` (N = G*K rows, groups in order) with (N,) `advantages`; `rng` splits the groups into
+        mini-batches. Replayed tokens' ratio is against their recorded log-probs when `importance_correction`."""
+        minis = self._mini_batches(len(batch) // self.K, rng)
+        my_rows = torch.cat([mine for _, mine in minis])
+        with timer("logprob"):
+            old_logp = self._pre_update_logprobs(batch, my_rows)
+        entropy = torch.zeros_like(batch.completion_mask)
+        with timer("update"):
+            parts, loss_sum, grad_norms = [], 0.0, []
+            self.train_model.train()
+            for mini, mine in minis:
+                loss, stats = self._accumulate(batch, advantages, settings, importance_correction, old_logp, entropy,
+                                               mini, mine, timer)
+                loss_sum += loss
+                parts += stats
+                with timer("optimizer"):
+                    grad_norms.append(self._optimizer_step())
+        gathered_parts = self.dist.gather([(parts, loss_sum)])
+        stats = merge_stats([p for ps, _ in gathered_parts for p in ps])
+        stats["loss"] = sum(loss for _, loss in gathered_parts)  # as optimised: summed over micro-batches
+        stats["grad_norm"] = float(np.mean(grad_norms))
+        if self.dist.enabled:
+            old_logp, entropy = self._gather_rows(old_logp, my_rows), self._gather_rows(entropy, my_rows)
+        return UpdateResult(stats, old_logp, entropy)
+
+    def _mini_batches(self, num_groups: int, rng: np.random.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(all rows of the mini-batch, this rank's rows) for each of the M mini-batches of shuffled groups; fewer
+        mini-batches when fewer than M groups are left. A rank's share may be empty (fewer groups than ranks)."""
+        minis = []
+        for chunk in np.array_split(rng.permutation(num_groups), self.train.mini_batches):
+            if len(chunk) == 0:
+                continue
+            rows = [torch.arange(g * self.K, (g + 1) * self.K) for g in chunk.tolist()]
+            start, end = self.dist.shard_bounds(len(rows))
+            mine = torch.cat(rows[start:end]) if end > start else torch.empty(0, dtype=torch.long)
+            minis.append((torch.cat(rows), mine))
+        return minis
+
+    def _micro_batches(self, batch: PackedBatch, rows: torch.Tensor) -> list[torch.Tensor]:
+        T = batch.completion_ids.shape[1]
+        prompt_lengths = batch.attention_mask[:, :-T].sum(-1)
+        completion_lengths = batch.completion_mask.sum(-1)
+        return plan_micro_batches(rows, prompt_lengths, completion_lengths, self.train.micro_batch_size,
+                                  self.train.max_tokens_per_micro_batch)
+
+    def _pre_update_logprobs(self, batch: PackedBatch, rows: torch.Tensor) -> torch.Tensor:
+        """(N, T), filled on `rows`, from a no-grad pass in eval mode (the sampling policy: no dropout). Skipped
+        when the training forward of a single mini-batch is that pass already; `_accumulate` fills them in."""
+        old_logp = torch.zeros_like(batch.completion_mask)
+        if self.separate_behaviour_pass:  # later mini-batches need the pre-update log-probs of the whole batch
+            self.model.eval()
+            with torch.no_grad(), self.full_weights():
+                for micro in self._micro_batches(batch, rows):
+                    old_logp[micro] = self.logprobs(self.model, batch, micro, with_entropy=False)[0].cpu()
+            self.model.train()
+        return old_logp
+
+    def _accumulate(self, batch: PackedBatch, advantages: torch.Tensor, settings: LossSettings,
+                    importance_correction: bool, old_logp: torch.Tensor, entropy: torch.Tensor, mini: torch.Tensor,
+                    mine: torch.Tensor, timer: StageTimer) -> tuple[float, list[dict]]:
+        """Forward/backward over this rank's micro-batches of one mini-batch; gradients accumulate exactly.
+
+        Every rank runs the same number of backward passes where the collectives need it (FSDP: each pass;
+        DDP: one), padding with passes over a row of the mini-batch whose loss is multiplied by zero.
+        """
+        mask = batch.completion_mask
+        totals = {"total_tokens": float(mask[mini].sum()), "total_sequences": float(len(mini))}
+        micro_batches = self._micro_batches(batch, mine)
+        if self.sharded:
+            passes = max(self.dist.gather([len(micro_batches)]))
+        else:
+            passes = max(len(micro_batches), 1 if self.dist.enabled else 0)
+        loss_sum, parts = 0.0, []
+        for i in range(passes):
+            with self._gradient_sync(last=i == passes - 1):
+                if i >= len(micro_batches):  # padding pass: joins the collectives, adds nothing
+                    self.logprobs(self.train_model, batch, mini[:1], with_entropy=False)[0].sum().mul(0.0).backward()
+                    continue
+                loss, stats = self._micro_step(batch, micro_batches[i], advantages, settings, importance_correction,
+                                               old_logp, entropy, totals, timer)
+            loss_sum += loss
+            parts.append(stats)
+        return loss_sum, parts
+
+    def _micro_step(self, batch: PackedBatch, rows: torch.Tensor, advantages: torch.Tensor, settings: LossSettings,
+                    importance_correction: bool, old_logp: torch.Tensor, entropy_out: torch.Tensor, totals: dict,
+                    timer: StageTimer) -> tuple[float, dict]:
+        """Forward and backward of one micro-batch; returns its loss and statistics and fills in its rows of
+        `entropy_out` (and of `old_logp` when the training forward is the behaviour pass)."""
+        with timer("forward"):
+            logp, entropy = self.logprobs(self.train_model, batch, rows, with_entropy=True)
+        entropy_out[rows] = entropy.detach().float().cpu()
+        if not self.separate_behaviour_pass:
+            old_logp[rows] = logp.detach().cpu()
+
+        def mine(t: torch.Tensor | None) -> torch.Tensor | None:  # this micro-batch's rows, on the model's device
+            return None if t is None else t[rows].to(logp.device)
+
+        recorded = torch.where(mine(batch.replay_mask), mine(batch.recorded_logp), mine(old_logp)) \
+            if importance_correction else mine(old_logp)
+        engine_weight = None
+        if self.tis_cap is not None and batch.engine_mask is not None:
+            engine_weight = truncated_importance_weights(mine(old_logp), mine(batch.engine_logp),
+                                                         mine(batch.engine_mask), self.tis_cap)
+        loss, stats = mixed_policy_loss(
+            logp, mine(old_logp), recorded, mine(advantages), mine(batch.completion_mask),
+            mine(batch.replay_mask), settings, entropy=entropy, engine_weight=engine_weight,
+            demonstration_mask=mine(batch.demonstration_mask), **totals)
+        if not torch.isfinite(loss):
+            raise TrainingError(f"the loss is not finite ({loss.item()}); the update is not applied and "
+                                "the last checkpoint is the last good state")
+        (loss * (self.dist.world_size if self.loss_scale == "global" else 1)).backward()
+        return loss.item(), stats
+
+    def _gradient_sync(self, last: bool):
+        """Gradients are reduced across ranks on the last backward pass of a mini-batch only."""
+        if self.sharded:
+            self.model.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
+        if self.dist.enabled and not last:
+            return self.train_model.no_sync()
+        return contextlib.nullcontext()
+
+    def _optimizer_step(self) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.train.max_grad_norm)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if not math.isfinite(norm) or norm > self.train.skip_grad_norm:
+            self.skipped_updates += 1
+            if self.skipped_updates > self.train.max_skipped_updates:
+                raise TrainingError(f"{self.skipped_updates} optimizer steps skipped (gradient norm {norm:g}: "
+                                    f"non-finite or above train.skip_grad_norm {self.train.skip_grad_norm:g}), more "
+                                    f"than train.max_skipped_updates {self.train.max_skipped_updates}")
+        else:
+            self.optimizer.step()
+            if not all_finite(self.params, self.dist):
+                raise TrainingError(f"the weights are not finite after an optimizer step (learning rate "
+                                    f"{self.learning_rate:g}); the last checkpoint is the last good state")
+            self.on_optimizer_step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.optimizer_steps += 1
+        return norm
+
+    def _gather_rows(self, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows of `values` assembled into one tensor on every rank."""
+        out = values.clone()
+        for index, part in self.dist.gather([(rows.tolist(), values[rows])]):
+            out[index] = part
+        return out
+
+    def state_dict(self) -> dict:
+        """Optimizer state keyed by parameter name (independent of sharding), scheduler, counters. Every rank
+        must call it under FSDP."""
+        return {"optimizer": optimizer_state(self.model, self.optimizer), "scheduler": self.scheduler.state_dict(),
+                "optimizer_steps": self.optimizer_steps, "skipped_updates": self.skipped_updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.optimizer_steps, self.skipped_updates = state["optimizer_steps"], state["skipped_updates"]

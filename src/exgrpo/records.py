@@ -1,0 +1,55 @@
+"""The records that cross roles: a step's groups (one question, its prompt, K members), their rewards, and the
+two phases of a run."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from exgrpo.data.questions import Question
+from exgrpo.experience.buffer import Trajectory
+
+WARMUP, MIXED = "warmup", "mixed"  # plain GRPO before the delayed start; experience replay after it
+
+
+@dataclass
+class Member:
+    completion_ids: list[int]
+    truncated: bool = False  # stopped by max_completion_length
+    replay: Trajectory | None = None  # set on the replayed member of an experiential group
+    engine_logprobs: list[float] | None = None  # the engine's log-prob of each sampled token, if it reports them
+    demonstration: bool = False  # an external reference solution from the data (guidance), not sampled
+
+    @property
+    def sampled(self) -> bool:
+        """Rolled out by the policy in this step: neither a replay nor a demonstration."""
+        return self.replay is None and not self.demonstration
+
+
+@dataclass
+class Group:
+    question: Question
+    prompt_ids: list[int]
+    members: list[Member] = field(default_factory=list)
+
+
+@dataclass
+class GroupRewards:
+    total: np.ndarray  # (G, K) weighted sum of the reward functions
+    per_function: dict[str, np.ndarray]  # name -> (G, K) rewards, NaN where a function returned None
+    grading: dict[str, int] = field(default_factory=dict)  # timeouts, crashes, errors of the grading pool
+
+    def take(self, index: Sequence[int]) -> "GroupRewards":
+        """The rewards of groups `index` (in that order); grading counts stay with the step."""
+        index = np.asarray(index, dtype=np.int64)
+        return GroupRewards(self.total[index], {k: v[index] for k, v in self.per_function.items()}, self.grading)
+
+    @staticmethod
+    def concat(parts: Sequence["GroupRewards"]) -> "GroupRewards":
+        """The rewards of several rounds' groups, one after the other; grading counts summed."""
+        return GroupRewards(np.concatenate([p.total for p in parts]),
+                            {k: np.concatenate([p.per_function[k] for p in parts]) for k in parts[0].per_function},
+                            dict(sum((Counter(p.grading) for p in parts), Counter())))

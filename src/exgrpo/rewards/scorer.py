@@ -1,0 +1,59 @@
+"""The group scorer: a step's groups graded by the reward functions (TRL's signature, columns from each group's
+question), each rank grading its shard, every rank receiving all (G, K) rewards, checked by reward health."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from exgrpo.records import Group, GroupRewards
+from exgrpo.rewards.functions import score_completions
+from exgrpo.rewards.health import RewardHealth
+from exgrpo.rewards.pool import GradingPool
+from exgrpo.runtime.distributed import Distributed
+
+
+def score_groups(groups: Sequence[Group], tokenizer, reward_funcs: Sequence[Callable],
+                 reward_weights: Sequence[float]) -> GroupRewards:
+    """Grade every member of `groups` (one process, no health checks): (G, K) weighted totals and per function."""
+    prompts, completions, completion_ids, questions = [], [], [], []
+    for g in groups:
+        prompt_text = tokenizer.decode(g.prompt_ids, skip_special_tokens=False)
+        for m in g.members:
+            prompts.append(prompt_text)
+            completion_ids.append(m.completion_ids)
+            completions.append(tokenizer.decode(m.completion_ids, skip_special_tokens=True))
+            questions.append(g.question)
+    total, per_function = score_completions(reward_funcs, reward_weights, prompts, completions, completion_ids,
+                                            questions)
+    shape = (len(groups), len(groups[0].members) if groups else 0)
+    return GroupRewards(total.reshape(shape), {k: v.reshape(shape) for k, v in per_function.items()})
+
+
+class GroupScorer:
+    """Owns the reward functions, their weights, the grading pool whose timeouts and crashes are counted, and the
+    reward health that warns about (or stops on) unhealthy rewards."""
+
+    def __init__(self, reward_funcs: Sequence[Callable], tokenizer, health: RewardHealth, *,
+                 reward_weights: Sequence[float] | None = None, grading_pool: GradingPool | None = None,
+                 distributed: Distributed = Distributed()):
+        self.reward_funcs = list(reward_funcs)
+        if not self.reward_funcs:
+            raise ValueError("at least one reward function is required")
+        self.reward_weights = list(reward_weights) if reward_weights is not None else [1.0] * len(self.reward_funcs)
+        self.tokenizer, self.health, self.grading_pool, self.dist = tokenizer, health, grading_pool, distributed
+
+    def __call__(self, groups: list[Group], step: int) -> GroupRewards:
+        """(G, K) rewards of `groups` at training step `step` (1-based, for health messages)."""
+        start, end = self.dist.shard_bounds(len(groups))
+        mine = score_groups(groups[start:end], self.tokenizer, self.reward_funcs, self.reward_weights)
+        mine.grading = self.grading_pool.pop_stats() if self.grading_pool is not None else {}
+        gathered = self.dist.gather([mine])
+        graded = [r for r in gathered if len(r.total)]  # a rank may have had no groups
+        rewards = GroupRewards(np.concatenate([r.total for r in graded]),
+                               {name: np.concatenate([r.per_function[name] for r in graded])
+                                for name in mine.per_function},
+                               {k: sum(r.grading[k] for r in gathered) for k in mine.grading})
+        self.health.check(step, rewards.per_function, rewards.total, rewards.grading)
+        return rewards

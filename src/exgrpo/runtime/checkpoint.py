@@ -1,0 +1,208 @@
+"""Atomic checkpoints that restore everything a run needs to continue exactly.
+
+A checkpoint is a directory `checkpoints/step-NNNNNN/` holding:
+* `model/`: `save_pretrained` output (full weights, or the adapter for LoRA), loadable by `exgrpo eval --model`;
+* `optimizer.pt`: the trainer state's `optimizer` part (optimizer, scheduler) and the torch RNG state;
+* `buffer.safetensors`: the experience buffer (arrays + JSON metadata);
+* `trainer.json`: the trainer state's `trainer` part (step, phase, question-pool cursor, counters, resolved
+  config) and the Python and NumPy RNG states;
+* `manifest.json`: the size and SHA-256 of every other file. Written last: its presence marks a whole checkpoint,
+  and loading verifies every file against it, so a truncated or altered file is reported by name.
+It is written into a temporary directory and renamed into place, so it is either whole or absent; an old checkpoint
+is renamed away before it is deleted, so a kill during pruning never leaves a half-deleted one that looks whole.
+Nothing is unpickled on load: tensors come from safetensors or `torch.load(weights_only=True)`, the rest is JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from exgrpo.runtime.atomic import fsync_tree
+from exgrpo.errors import CheckpointError, ExgrpoWarning, RunDirectoryError
+from exgrpo.experience.buffer import read_state, write_state
+from exgrpo.runtime.sharding import is_sharded, load_full_model_state
+
+_PREFIX = "step-"
+_MANIFEST = "manifest.json"
+_SCRATCH = (".tmp-", ".deleting-")  # a checkpoint being written / being deleted
+
+
+def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
+    """Checkpoints of a run that were completely written (they have a manifest), oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and (p / _MANIFEST).is_file()]
+    return sorted(found, key=checkpoint_step)
+
+
+def checkpoint_step(checkpoint: Path) -> int:
+    """The training step a checkpoint directory (step-NNNNNN) holds."""
+    return int(checkpoint.name[len(_PREFIX):])
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest completely written checkpoint (not verified: see `latest_intact_checkpoint`)."""
+    dirs = checkpoint_dirs(run_dir)
+    return dirs[-1] if dirs else None
+
+
+def verify_checkpoint(directory: str | Path) -> str | None:
+    """None if every file of the checkpoint matches its manifest, else what is wrong (naming the file)."""
+    directory = Path(directory)
+    try:
+        manifest = json.loads((directory / _MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        return f"{directory / _MANIFEST}: unreadable ({e})"
+    for name, expected in manifest["files"].items():
+        path = directory / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size != expected["size"]:
+            return f"{path} has {path.stat().st_size} bytes, the manifest says {expected['size']}"
+        if _sha256(path) != expected["sha256"]:
+            return f"{path} does not match its checksum (corrupted)"
+    return None
+
+
+def latest_intact_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest checkpoint that passes `verify_checkpoint`; each newer broken one is reported as a warning."""
+    for checkpoint in reversed(checkpoint_dirs(run_dir)):
+        problem = verify_checkpoint(checkpoint)
+        if problem is None:
+            return checkpoint
+        warnings.warn(ExgrpoWarning(f"skipping checkpoint {checkpoint.name}: {problem}"), stacklevel=2)
+    return None
+
+
+def save_checkpoint(run_dir: str | Path, step: int, write_model: Callable[[Path], None], state: dict,
+                    keep: int = 2) -> Path:
+    """Write the model (`write_model(directory)`, e.g. `save_pretrained`) and a trainer `state`
+    (`ExGRPOTrainer.state_dict()`) as the checkpoint of `step`; keep the newest `keep` checkpoints. A failed
+    write (full disk, no permission) is a RunDirectoryError naming the path; the previous checkpoints are
+    untouched by it."""
+    root = Path(run_dir) / "checkpoints"
+    final = root / f"{_PREFIX}{step:06d}"
+    tmp = root / f"{_SCRATCH[0]}{final.name}-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_scratch(root)  # left by a process killed while writing or pruning (the caller holds the run lock)
+        tmp.mkdir()
+        write_model(tmp / "model")
+        torch.save({**state["optimizer"], "torch_rng": torch.get_rng_state()}, tmp / "optimizer.pt")
+        write_state(state["buffer"], tmp / "buffer.safetensors")
+        np_state = np.random.get_state()
+        rng = {"python_rng": _jsonable(random.getstate()),
+               "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+        (tmp / "trainer.json").write_text(json.dumps({**state["trainer"], **rng}))
+        files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+                 for p in sorted(tmp.rglob("*")) if p.is_file()}
+        (tmp / _MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
+        fsync_tree(tmp)
+        if final.exists():  # a re-run of the same step (after a resume) replaces it
+            _delete(final)
+        os.replace(tmp, final)
+        for old in checkpoint_dirs(run_dir)[:-keep]:
+            _delete(old)
+    except Exception as e:  # OSError, or a writer's own wrapper of one (safetensors, torch.save)
+        shutil.rmtree(tmp, ignore_errors=True)
+        cause = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise RunDirectoryError(f"cannot write checkpoint {final}: {cause}") from e
+    return final
+
+
+def _delete(checkpoint: Path) -> None:
+    """Rename out of the checkpoint namespace first, so an interrupted delete leaves only scratch behind."""
+    doomed = checkpoint.with_name(f"{_SCRATCH[1]}{checkpoint.name}-{os.getpid()}")
+    os.replace(checkpoint, doomed)
+    shutil.rmtree(doomed)
+
+
+def _remove_scratch(root: Path) -> None:
+    for p in root.iterdir():
+        if p.is_dir() and p.name.startswith(_SCRATCH):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_trainer_json(directory: str | Path) -> dict:
+    """The `trainer` part of a checkpoint (its resolved config under "config")."""
+    return json.loads((Path(directory) / "trainer.json").read_text())
+
+
+def load_checkpoint(directory: str | Path, model) -> dict:
+    """Verify checkpoint `directory`, load its weights into `model`, restore the global RNGs, and return the
+    trainer state to pass to `ExGRPOTrainer.load_state_dict`."""
+    directory = Path(directory)
+    problem = verify_checkpoint(directory)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {directory} is not intact: {problem}")
+    trainer = read_trainer_json(directory)
+    _load_weights(model, directory / "model")
+    optimizer = torch.load(directory / "optimizer.pt", weights_only=True)
+    torch.set_rng_state(optimizer.pop("torch_rng"))
+    random.setstate(_tupled(trainer.pop("python_rng")))
+    kind, keys, *rest = trainer.pop("numpy_rng")
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+    return {"trainer": trainer, "optimizer": optimizer, "buffer": read_state(directory / "buffer.safetensors")}
+
+
+def _load_weights(model, directory: Path) -> None:
+    from safetensors.torch import load_file
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{directory}: no safetensors weights in the checkpoint")
+    if is_sharded(model):
+        load_full_model_state(model, _named_like(model, {k: v for f in files for k, v in load_file(str(f)).items()}))
+        return
+    if (directory / "adapter_config.json").is_file():  # a peft adapter
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, load_file(str(directory / "adapter_model.safetensors")))
+        return
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    if unexpected or set(missing) - tied:
+        raise ValueError(f"{directory}: checkpoint weights do not fit the model (missing {sorted(missing)[:5]}, "
+                         f"unexpected {sorted(unexpected)[:5]})")
+
+
+def _named_like(model, saved: dict) -> dict:
+    """Saved tensors keyed as `model.state_dict()`: a peft adapter file drops the adapter name (".default")."""
+    names = {}
+    for name in model.state_dict():
+        names[name] = name
+        names.setdefault(name.replace(".default.", "."), name)
+    unknown = sorted(set(saved) - set(names))
+    if unknown:
+        raise CheckpointError(f"checkpoint weights do not fit the model (unexpected {unknown[:5]})")
+    return {names[k]: v for k, v in saved.items()}
+
+
+def _jsonable(value):
+    return [_jsonable(v) for v in value] if isinstance(value, tuple) else value
+
+
+def _tupled(value):
+    return tuple(_tupled(v) for v in value) if isinstance(value, list) else value

@@ -1,0 +1,120 @@
+"""Where metrics go: a rich progress bar, a JSONL file, TensorBoard and (when installed) Weights & Biases."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from exgrpo.runtime.atomic import write_text_atomic
+from exgrpo.errors import RunDirectoryError
+
+
+class Tracker:
+    @classmethod
+    def from_config(cls, config, start_step: int = 0) -> "Tracker":
+        """The tracker of a run's config (an ExGRPOConfig): its directory, steps and `logging` settings."""
+        lg = config.logging
+        return cls(lg.output_dir, config.train.steps, tensorboard=lg.tensorboard, wandb=lg.wandb,
+                   progress=lg.progress, config=config.to_dict(), start_step=start_step)
+
+    def __init__(self, output_dir: str | Path, total_steps: int, *, tensorboard: bool = True, wandb: bool = False,
+                 progress: bool = True, config: dict | None = None, start_step: int = 0):
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.console = Console(stderr=True)
+        self._jsonl = (self.dir / "metrics.jsonl").open("a")
+        self._samples = (self.dir / "samples.jsonl").open("a")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # a resumed run re-logs the steps after its checkpoint: drop TensorBoard's copies of them
+            self._tb = SummaryWriter(str(self.dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+        self._wandb = None
+        if wandb:
+            try:
+                import wandb as wandb_module
+            except ImportError:
+                raise RuntimeError("logging.wandb is true but wandb is not installed (pip install wandb)") from None
+            self._wandb = wandb_module.init(config=config or {}, dir=str(self.dir))
+        self._progress = None
+        if progress:
+            self._progress = Progress(
+                TextColumn("[bold]ExGRPO"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=self.console,
+            )
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="")
+            self._progress.start()
+
+    def log(self, step: int, metrics: dict) -> None:
+        clean = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        try:
+            self._jsonl.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+            self._jsonl.flush()
+        except OSError as e:
+            raise RunDirectoryError(f"cannot write {self._jsonl.name}: {e.strerror or e}") from None
+        if self._tb is not None:
+            for key, value in clean.items():
+                self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(clean, step=step)
+        if self._progress is not None and "reward" in metrics:
+            status = (
+                f"reward {metrics['reward']:.2f} | {metrics.get('phase', '')} | "
+                f"buffer {metrics.get('experience/questions', 0):.0f}q/{metrics.get('experience/trajectories', 0):.0f}t"
+                f" | replayed {metrics.get('experience/replayed', 0):.0f}"
+                f" | {metrics.get('tokens_per_second', 0):.0f} tok/s"
+            )
+            self._progress.update(self._task, completed=step, status=status)
+
+    def log_samples(self, step: int, samples: list[dict]) -> None:
+        for sample in samples:
+            self._samples.write(json.dumps({"step": step, **sample}) + "\n")
+        self._samples.flush()
+
+    def print(self, *args) -> None:
+        self.console.print(*args)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        self._jsonl.close()
+        self._samples.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_metrics(run_dir: str | Path, step: int) -> None:
+    """Drop logged lines of steps after `step` (they are re-run after a resume), atomically.
+
+    A last line cut short by a kill is dropped too; an unreadable line elsewhere is an error naming it.
+    """
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        path = Path(run_dir) / name
+        if not path.is_file():
+            continue
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        kept = []
+        for number, line in enumerate(lines, start=1):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                if number == len(lines):  # torn by a kill mid-write
+                    break
+                raise RunDirectoryError(f"{path} line {number} is not JSON: {line[:80]!r}") from None
+            if record["step"] <= step:
+                kept.append(line)
+        write_text_atomic(path, "".join(line + "\n" for line in kept))

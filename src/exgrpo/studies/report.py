@@ -1,0 +1,311 @@
+"""The report of a multi-seed study (exgrpo.studies.runner): PNG plots and markdown tables, mean ± std over seeds."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from exgrpo.studies.runner import RunResult, Study, load_results  # noqa: E402
+from exgrpo.training.metrics import mixed_phase_start  # noqa: E402
+from exgrpo.studies.statistics import paired_difference, t_interval, verdict  # noqa: E402
+
+
+def _by_arm(results: list[RunResult]) -> dict[str, list[RunResult]]:
+    arms: dict[str, list[RunResult]] = defaultdict(list)
+    for r in results:
+        arms[r.arm.name].append(r)
+    return arms
+
+
+def _aligned(curves: list[list[tuple[float, float]]], carry: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(x grid, (runs, len(grid)) values) of per-run (x, y) curves, x ascending, on the union of their x.
+
+    Runs may end at different steps (every training question retired). With `carry` (held-out accuracy: a
+    finished run's policy no longer changes) a run is interpolated linearly between its points and keeps its last
+    value after them; otherwise (training metrics) it is NaN wherever it has no point.
+    """
+    grid = np.array(sorted({x for c in curves for x, _ in c}))
+    rows = []
+    for curve in curves:
+        if carry:
+            rows.append(np.interp(grid, [x for x, _ in curve], [y for _, y in curve]))
+        else:
+            at = dict(curve)
+            rows.append(np.array([at.get(x, np.nan) for x in grid], dtype=float))
+    return grid, np.array(rows)
+
+
+def _band(ax, x, rows: np.ndarray, label):
+    """Mean ± std over runs (NaN entries left out)."""
+    present = (~np.isnan(rows)).sum(0)
+    mean = np.where(present > 0, np.nansum(rows, 0) / np.maximum(present, 1), np.nan)
+    std = np.array([np.nanstd(col, ddof=1) if n > 1 else 0.0 for col, n in zip(rows.T, present)])
+    ax.plot(x, mean, marker="o", markersize=3, label=f"{label} (n={len(rows)})")
+    ax.fill_between(x, mean - std, mean + std, alpha=0.2)
+
+
+def _series(runs: list[RunResult], key: str, default: float = np.nan) -> tuple[np.ndarray, np.ndarray]:
+    """A per-step metric of each run on the steps of the longest (NaN after a run's last step)."""
+    return _aligned([[(m["step"], m.get(key, default)) for m in r.history] for r in runs], carry=False)
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _curves(arms: dict[str, list[RunResult]], names: list[str], out: Path, stem: str) -> list[str]:
+    """Held-out accuracy vs step and vs rollouts consumed; training reward, entropy, gradient norm, length."""
+    fig, (by_step, by_rollouts, paired) = plt.subplots(1, 3, figsize=(15, 3.6))
+    base = {r.seed: r for r in arms[names[0]]}
+    for name in names:
+        runs = arms[name]
+        label = runs[0].arm.label
+        _band(by_step, *_aligned([r.evaluations() for r in runs], carry=True), label)
+        sampled = [[0] + r.fresh_rollouts() for r in runs]
+        _band(by_rollouts, *_aligned([[(n[s], a) for s, a in r.evaluations()] for r, n in zip(runs, sampled)],
+                                     carry=True), label)
+        if name != names[0]:  # per seed: this arm minus the first arm
+            for r in (r for r in runs if r.seed in base):
+                grid, (mine, theirs) = _aligned([r.evaluations(), base[r.seed].evaluations()], carry=True)
+                paired.plot(grid, mine - theirs, marker="o", markersize=3, alpha=0.8, label=f"{label}, seed {r.seed}")
+    paired.axhline(0, color="black", linewidth=0.8)
+    paired.set(xlabel="step", title=f"Paired difference to {arms[names[0]][0].arm.label} (per seed)")
+    by_step.set(xlabel="step", ylabel="held-out accuracy (avg@k)", title="Held-out accuracy vs step")
+    by_rollouts.set(xlabel="sampled completions (cumulative)", title="… vs rollouts consumed")
+    for ax in (by_step, by_rollouts, paired):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    _save(fig, out / f"{stem}_heldout.png")
+
+    panels = [("reward", "training reward (batch mean)"), ("entropy", "token entropy"),
+              ("grad_norm", "gradient norm"), ("completions/mean_length", "completion length (tokens)")]
+    fig, axes = plt.subplots(1, 4, figsize=(14, 3.2))
+    for ax, (key, title) in zip(axes, panels):
+        for name in names:
+            steps, rows = _series(arms[name], key)
+            _band(ax, steps, rows, arms[name][0].arm.label)
+        ax.set(xlabel="step", title=title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    _save(fig, out / f"{stem}_training.png")
+    return [f"{stem}_heldout.png", f"{stem}_training.png"]
+
+
+def _buffer(runs: list[RunResult], out: Path, stem: str) -> str:
+    """Bucket histogram over time (seed mean), retired questions, replay fraction, importance ratios."""
+    K = runs[0].config.rollout.num_generations
+    fig, axes = plt.subplots(1, 4, figsize=(14, 3.2))
+    steps, _ = _series(runs, "step")
+    hist = np.array([np.nanmean(_series(runs, f"experience/bucket_{k}", default=0.0)[1], 0) for k in range(K + 1)])
+    present = [k for k in range(K + 1) if hist[k].any()]
+    if present:  # an arm without experience (GRPO) has an empty buffer
+        axes[0].stackplot(steps, *[hist[k] for k in present], labels=[f"k={k}" for k in present])
+        axes[0].legend(fontsize=6, ncol=2, loc="upper left")
+    axes[0].set(xlabel="step", title="buffer questions per bucket k")
+    for ax, key, title in ((axes[1], "experience/retired", "retired questions (K/K)"),
+                           (axes[2], "experience/replay_fraction", "replayed questions / batch")):
+        _band(ax, *_series(runs, key), runs[0].arm.label)
+        ax.set(xlabel="step", title=title)
+    for key, label in (("replay/ratio_mean", "w = π/π_old (mean)"), ("replay/ratio_max", "w (max)"),
+                       ("replay/shaped_weight_mean", "shaped f(w) (mean)")):
+        steps_k, rows = _series(runs, key)
+        _band(axes[3], steps_k, rows, label)
+    axes[3].set(xlabel="step", title="replayed tokens: importance weights")
+    axes[3].legend(fontsize=6)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    _save(fig, out / f"{stem}_buffer.png")
+    return f"{stem}_buffer.png"
+
+
+def _analyses(arms: dict[str, list[RunResult]], names: list[str], out: Path, stem: str) -> str:
+    """Coverage, zero-variance share and the entropy of replayed vs fresh correct trajectories over steps."""
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.4))
+    for name in names:
+        label = arms[name][0].arm.label
+        for ax, key in ((axes[0], "coverage/solved"), (axes[1], "generation/zero_variance_fraction")):
+            _band(ax, *_series(arms[name], key), label)
+        for key, kind in (("entropy/fresh_correct", "fresh correct"), ("entropy/replayed", "replayed")):
+            steps, rows = _series(arms[name], key)
+            logged = ~np.isnan(rows).all(0)  # steps where some seed logged it (replays start with the mixed phase)
+            if logged.any():
+                axes[2].plot(steps[logged], np.nanmean(rows[:, logged], 0), marker="o", markersize=2,
+                             label=f"{label}: {kind}")
+    titles = ("training questions ever solved (coverage)", "zero-variance groups / groups rolled out",
+              "token entropy of correct trajectories (seed mean)")
+    for ax, title in zip(axes, titles):
+        ax.set(xlabel="step", title=title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    _save(fig, out / f"{stem}_analyses.png")
+    return f"{stem}_analyses.png"
+
+
+def _final_bars(arms: dict[str, list[RunResult]], names: list[str], out: Path, stem: str) -> str:
+    fig, ax = plt.subplots(figsize=(1.4 * len(names) + 2, 3.4))
+    for i, name in enumerate(names):
+        finals = [r.final_accuracy for r in arms[name]]
+        ax.bar(i, np.mean(finals), yerr=np.std(finals, ddof=1) if len(finals) > 1 else 0, alpha=0.6, capsize=4)
+        ax.scatter([i] * len(finals), finals, color="black", s=10, zorder=3)
+    ax.set_xticks(range(len(names)), [arms[n][0].arm.label for n in names], rotation=20, ha="right", fontsize=8)
+    ax.set(ylabel="final held-out accuracy", title="Final held-out accuracy (bars: mean ± std; dots: seeds)")
+    ax.grid(alpha=0.3, axis="y")
+    _save(fig, out / f"{stem}_final.png")
+    return f"{stem}_final.png"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}"
+
+
+def _paired_delta(runs: list[RunResult], reference: list[RunResult]) -> str:
+    """Final accuracy minus the reference arm's on the same seed, mean ± std over the seeds both have."""
+    diffs = paired_difference(runs, reference).at_equal_steps
+    if runs[0].arm == reference[0].arm or not len(diffs):
+        return "—"
+    return f"{100 * diffs.mean():+.1f} ± {100 * diffs.std(ddof=1):.1f}" if len(diffs) > 1 else \
+        f"{100 * diffs.mean():+.1f}"
+
+
+def _interval_text(values: np.ndarray) -> str:
+    mean, low, high = t_interval(values)
+    return f"{100 * mean:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]"
+
+
+def paired_table(arms: dict[str, list[RunResult]], names: list[str], baseline: str) -> list[str]:
+    """Per arm: the paired difference to the baseline at equal steps and at equal rollouts (mean and 95%
+    t-interval over seeds, accuracy points), per seed, and the verdict under the round-two rules."""
+    label = arms[baseline][0].arm.label
+    lines = [f"| arm − {label} | seeds | Δ at equal steps: mean [95% CI] | per seed | Δ at equal rollouts: mean "
+             f"[95% CI] | {label} step used | verdict |", "|---|---|---:|---|---:|---|---|"]
+    for name in names:
+        if name == baseline:
+            continue
+        d = paired_difference(arms[name], arms[baseline])
+        if len(d.seeds) < 2:
+            continue
+        lines.append(f"| {arms[name][0].arm.label} | {', '.join(map(str, d.seeds))} | "
+                     f"{_interval_text(d.at_equal_steps)} | {' / '.join(f'{100 * x:+.1f}' for x in d.at_equal_steps)}"
+                     f" | {_interval_text(d.at_equal_rollouts)} | {' / '.join(map(str, d.baseline_steps))} | "
+                     f"{verdict(d)} |")
+    return lines
+
+
+def analyses_table(arms: dict[str, list[RunResult]], names: list[str]) -> list[str]:
+    """Per arm (mean over seeds): steps run (fewer than train.steps when every question retired), rollouts sampled,
+    coverage, zero-variance share, entropies of correct trajectories (mean over the steps that have both)."""
+    lines = ["| arm | steps run | rollouts sampled | training questions ever solved | zero-variance groups | "
+             "entropy: replayed | entropy: fresh correct (same steps) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for name in names:
+        runs = arms[name]
+        both = [m for r in runs for m in r.history if "entropy/replayed" in m and "entropy/fresh_correct" in m]
+        fresh = both or [m for r in runs for m in r.history if "entropy/fresh_correct" in m]
+
+        def mean_of(key, rows):
+            return f"{np.mean([m[key] for m in rows]):.3f}" if rows else "—"
+
+        zero = [m["generation/zero_variance_fraction"] for r in runs for m in r.history
+                if "generation/zero_variance_fraction" in m]
+        lines.append(f"| {runs[0].arm.label} | {np.mean([r.history[-1]['step'] for r in runs]):.1f} | "
+                     f"{np.mean([r.fresh_rollouts()[-1] for r in runs]):.0f} | "
+                     f"{np.mean([r.history[-1].get('coverage/solved', np.nan) for r in runs]):.1f} | "
+                     + (f"{100 * np.mean(zero):.1f}%" if zero else "—") + " | "
+                     f"{mean_of('entropy/replayed', both)} | {mean_of('entropy/fresh_correct', fresh)} |")
+    return lines
+
+
+def final_table(arms: dict[str, list[RunResult]], names: list[str], references: list[str]) -> list[str]:
+    """One row per arm: start, final and mean-over-evaluations accuracy (mean ± std over seeds, standard error of the
+    mean), paired differences to the reference arms, training time."""
+    lines = ["| arm | seeds | before | final: mean ± std (SE) | per seed | mean of evals after step 0 | "
+             + " | ".join(f"Δ final vs {arms[n][0].arm.label} (paired)" for n in references)
+             + " | training time / run |",
+             "|---|---|---:|---:|---|---:|" + "---:|" * len(references) + "---:|"]
+    for name in names:
+        runs = arms[name]
+        finals = np.array([r.final_accuracy for r in runs])
+        curve = all(len(r.evaluations()) > 2 for r in runs)  # arms evaluated only at the end have no mean
+        auc = np.array([np.mean([a for _, a in r.evaluations()[1:]]) for r in runs])
+        std = finals.std(ddof=1) if len(runs) > 1 else 0.0
+        auc_std = auc.std(ddof=1) if len(runs) > 1 else 0.0
+        train_minutes = np.mean([sum(m["time/step"] for m in r.history) for r in runs]) / 60
+        lines.append(
+            f"| {runs[0].arm.label} | {', '.join(str(r.seed) for r in runs)} | "
+            f"{_pct(np.mean([r.initial['accuracy'] for r in runs]))} | {_pct(finals.mean())} ± {_pct(std)} "
+            f"({_pct(std / np.sqrt(len(runs)))}) | {' / '.join(_pct(f) for f in finals)} | "
+            + (f"{_pct(auc.mean())} ± {_pct(auc_std)}" if curve else "—") + " | "
+            + " | ".join(_paired_delta(runs, arms[n]) for n in references) + f" | {train_minutes:.1f} min |")
+    return lines
+
+
+def buffer_table(arms: dict[str, list[RunResult]], names: list[str]) -> list[str]:
+    """Per arm at the end of training (mean over seeds): buffer, retirement, replays, importance weights."""
+    lines = ["| arm | mixed from step | replayed questions | buffer questions | trajectories | retired | "
+             "replay w mean [min, max] | f(w) mean |", "|---|---:|---:|---:|---:|---:|---|---:|"]
+    for name in names:
+        runs = arms[name]
+        switched = [s for s in map(mixed_phase_start, (r.history for r in runs)) if s is not None]
+        last = [r.history[-1] for r in runs]
+
+        def avg(key, rows=None):
+            return np.nanmean([m.get(key, np.nan) for m in (rows or last)])
+
+        replay_rows = [m for r in runs for m in r.history if "replay/ratio_mean" in m]
+        weights = "—" if not replay_rows else (
+            f"{avg('replay/ratio_mean', replay_rows):.3f} [{min(m['replay/ratio_min'] for m in replay_rows):.3f}, "
+            f"{max(m['replay/ratio_max'] for m in replay_rows):.3f}]")
+        shaped = "—" if not replay_rows else f"{avg('replay/shaped_weight_mean', replay_rows):.3f}"
+        replayed = np.mean([sum(m["experience/replayed"] for m in r.history) for r in runs])
+        switch = f"{np.mean(switched):.1f}" if switched else "—"
+        lines.append(f"| {runs[0].arm.label} | {switch} | {replayed:.1f} | "
+                     f"{avg('experience/questions'):.1f} | {avg('experience/trajectories'):.1f} | "
+                     f"{avg('experience/retired'):.1f} | {weights} | {shaped} |")
+    return lines
+
+
+def write_study_report(study: Study, out: str | Path, main_arms: list[str], only: list[str] | None = None) -> Path:
+    """Plots and tables for all arms (or the arms in `only`, the baseline and `main_arms` among them); `main_arms` (e.g.
+    GRPO and ExGRPO) get the curves and the buffer plot is drawn for the last of them. Returns the markdown file
+    (report.md in `out`)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = [a.name for a in study.arms if not only or a.name in only]
+    arms = _by_arm(load_results(study, names))
+    ablations = [n for n in names if n not in main_arms]
+    plots = _curves(arms, main_arms, out, "main")
+    plots.append(_buffer(arms[main_arms[-1]], out, "main"))
+    plots.append(_analyses(arms, main_arms, out, "main"))
+    if ablations:
+        plots += _curves(arms, [main_arms[-1], *ablations], out, "ablations")
+    plots.append(_final_bars(arms, names, out, "all"))
+    c = arms[names[0]][0].config
+    rows = {r.seed: r.initial["num_questions"] for runs in arms.values() for r in runs}
+    held_out = ", ".join(f"seed {seed}: {n}" for seed, n in sorted(rows.items()))
+    references = list(dict.fromkeys([study.baseline, main_arms[-1]]))  # deltas against GRPO and against ExGRPO
+    lines = [
+        f"# Study `{study.path.name}`", "",
+        f"Base config `{study.base.name}`, {c.train.steps} steps × {c.train.prompts_per_step} questions × "
+        f"K = {c.rollout.num_generations}; held-out accuracy = avg@{c.eval.samples} at temperature "
+        f"{c.eval.temperature} over each seed's held-out rows ({held_out}); ± is the std over seeds, "
+        "SE = std / √seeds.", "",
+        "## Final held-out accuracy", "", *final_table(arms, names, references), "",
+        "## Paired differences to the baseline (accuracy points)", "",
+        "Equal rollouts: the baseline at its last evaluation whose cumulative sampled rollouts do not exceed the "
+        "arm's. Verdict: the rules pre-registered in docs/results.md (round two) applied to the equal-steps "
+        "difference.", "", *paired_table(arms, names, study.baseline), "",
+        "## Buffer and replay (end of training, mean over seeds)", "", *buffer_table(arms, names), "",
+        "## Coverage, zero-variance groups, entropy (mean over seeds)", "", *analyses_table(arms, names), "",
+        *[f"![{p}]({p})" for p in plots], "",
+    ]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+

@@ -1,0 +1,225 @@
+"""Multi-seed studies: several arms (config overrides on one base config) trained from the same start with the same
+seeds and budget, resumable run by run, and their results read back for the report (exgrpo.studies.report).
+
+A study file (YAML; paths relative to it)::
+
+    base: ../configs/demo.yaml          # the config every run starts from
+    output_dir: ../runs/study           # runs go to <output_dir>/<arm>/seed-<seed>
+    seeds: [1, 2, 3]                    # default seeds of every arm
+    overrides: [train.save_every=5]     # applied to every arm
+    baseline: grpo                      # the arm differences are reported against
+    arms:
+      grpo: {label: "GRPO", overrides: [experience.ratio=0]}
+      exgrpo: {label: "ExGRPO"}
+      select_random: {label: "random selection", overrides: [experience.selection_metric=random], seeds: [1, 2]}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+
+from exgrpo.runtime.atomic import write_text_atomic
+from exgrpo.config import ConfigError, ExGRPOConfig, load_config, read_yaml
+
+_STUDY_KEYS = {"base", "output_dir", "seeds", "overrides", "baseline", "arms"}
+_ARM_KEYS = {"label", "overrides", "seeds"}
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    label: str
+    overrides: tuple[str, ...]
+    seeds: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Study:
+    path: Path
+    base: Path
+    output_dir: Path
+    overrides: tuple[str, ...]
+    baseline: str
+    arms: tuple[Arm, ...]
+
+    def arm(self, name: str) -> Arm:
+        for a in self.arms:
+            if a.name == name:
+                return a
+        raise ConfigError(f"{self.path}: no arm {name!r}; arms: {', '.join(a.name for a in self.arms)}")
+
+    def run_dir(self, arm: Arm, seed: int) -> Path:
+        return self.output_dir / arm.name / f"seed-{seed}"
+
+    def config(self, arm: Arm, seed: int) -> ExGRPOConfig:
+        overrides = [*self.overrides, *arm.overrides, f"train.seed={seed}",
+                     f"logging.output_dir={self.run_dir(arm, seed)}"]
+        try:
+            return load_config(self.base, overrides)
+        except ConfigError as e:
+            raise ConfigError(f"{self.path}: arm {arm.name!r}: {e}") from None
+
+    def initial_eval_path(self, config: ExGRPOConfig) -> Path:
+        """Where the before-training evaluation of a run is kept. Runs whose start is the same (model, data,
+        rollout, reward, eval settings and seed) share it, so each seed's starting point is evaluated once."""
+        d = config.to_dict()
+        d["eval"].pop("every")
+        start = {k: d[k] for k in ("model", "data", "rollout", "reward", "eval")} | {"seed": config.train.seed}
+        key = hashlib.sha256(json.dumps(start, sort_keys=True).encode()).hexdigest()[:16]
+        return self.output_dir / "initial" / f"{key}.json"
+
+
+def _seeds(value, where: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value or not all(isinstance(s, int) and not isinstance(s, bool)
+                                                            for s in value):
+        raise ConfigError(f"{where}: expected a non-empty list of integer seeds, got {value!r}")
+    return tuple(value)
+
+
+def _overrides(value, where: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(o, str) and "=" in o for o in value):
+        raise ConfigError(f"{where}: expected a list of 'section.field=value' strings, got {value!r}")
+    return tuple(value)
+
+
+def load_study(path: str | Path) -> Study:
+    path = Path(path)
+    raw = read_yaml(path, "study file")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping with keys {sorted(_STUDY_KEYS)}")
+    unknown = set(raw) - _STUDY_KEYS
+    missing = {"base", "output_dir", "seeds", "arms"} - set(raw)
+    if unknown or missing:
+        raise ConfigError(f"{path}: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
+    if not isinstance(raw["arms"], dict) or not raw["arms"]:
+        raise ConfigError(f"{path}: arms: expected a mapping of arm names to {{label, overrides, seeds}}")
+    seeds = _seeds(raw["seeds"], f"{path}: seeds")
+    arms = []
+    for name, spec in raw["arms"].items():
+        spec = spec or {}
+        if not isinstance(spec, dict) or set(spec) - _ARM_KEYS:
+            raise ConfigError(f"{path}: arms.{name}: expected a mapping with keys among {sorted(_ARM_KEYS)}")
+        arms.append(Arm(str(name), str(spec.get("label", name)), _overrides(spec.get("overrides"),
+                        f"{path}: arms.{name}.overrides"),
+                        _seeds(spec["seeds"], f"{path}: arms.{name}.seeds") if "seeds" in spec else seeds))
+    root = path.parent
+    study = Study(path, (root / raw["base"]).resolve(), (root / raw["output_dir"]).resolve(),
+                  _overrides(raw.get("overrides"), f"{path}: overrides"), str(raw.get("baseline", arms[0].name)),
+                  tuple(arms))
+    study.arm(study.baseline)
+    for arm in study.arms:  # every run's config must build before the first one starts
+        study.config(arm, arm.seeds[0])
+    return study
+
+
+def run_complete(run_dir: Path, steps: int) -> bool:
+    """Trained to `steps`, or stopped earlier with every training question retired (nothing left to train on):
+    the last checkpoint's step logged no fresh question remaining."""
+    from exgrpo.runtime.tracking import read_metrics
+
+    done = completed_steps(run_dir)
+    if done >= steps:
+        return True
+    rows = [m for m in read_metrics(run_dir / "metrics.jsonl") if m["step"] == done] if done else []
+    return bool(rows) and rows[-1]["fresh_questions_remaining"] == 0
+
+
+def completed_steps(run_dir: Path) -> int:
+    from exgrpo.runtime.checkpoint import checkpoint_step, latest_checkpoint
+
+    latest = latest_checkpoint(run_dir)
+    return checkpoint_step(latest) if latest is not None else 0
+
+
+def run_study(study: Study, arms: list[str] | None = None, seeds: list[int] | None = None,
+              log: Callable[[str], None] = print) -> None:
+    """Train every selected (arm, seed) run that has not reached its last step, resuming from its checkpoint."""
+    from exgrpo.training.run import prepared_run
+
+    selected = [study.arm(a) for a in arms] if arms else list(study.arms)
+    for arm in selected:
+        for seed in arm.seeds:
+            if seeds and seed not in seeds:
+                continue
+            config = study.config(arm, seed)
+            done = completed_steps(study.run_dir(arm, seed))
+            if run_complete(study.run_dir(arm, seed), config.train.steps):
+                log(f"{arm.name} seed {seed}: complete ({done} steps), skipped")
+                continue
+            def note(message: str, arm=arm, seed=seed) -> None:
+                log(f"{arm.name} seed {seed}: {message}")
+
+            with prepared_run(config, resume=True, log=note) as (run, checkpoint):
+                note(f"resuming at step {done}" if checkpoint else "starting")
+                if checkpoint is not None:
+                    run.trainer.resume(checkpoint)
+                initial = study.initial_eval_path(config)
+                if checkpoint is None and not initial.exists():
+                    accuracy = run.trainer.evaluate()
+                    summary = {"accuracy": accuracy.mean, "stderr": accuracy.stderr,
+                               "num_questions": accuracy.num_questions,
+                               "samples_per_question": accuracy.samples_per_question}
+                    write_text_atomic(initial, json.dumps(summary))
+                    note(f"before training {accuracy}")
+                run.trainer.train()
+
+
+@dataclass
+class RunResult:
+    arm: Arm
+    seed: int
+    config: ExGRPOConfig
+    history: list[dict]  # metrics.jsonl lines, one per step
+    initial: dict  # before-training evaluation
+
+    def evaluations(self) -> list[tuple[int, float]]:
+        """(step, held-out accuracy), step 0 first."""
+        return [(0, self.initial["accuracy"])] + [(m["step"], m["eval/accuracy"]) for m in self.history
+                                                  if "eval/accuracy" in m]
+
+    @property
+    def final_accuracy(self) -> float:
+        return self.evaluations()[-1][1]
+
+    def fresh_rollouts(self) -> list[int]:
+        """Cumulative sampled completions after each step: `generation/rollouts` (every generation round), or for
+        runs logged before it, B·K minus the replayed members (which are not sampled)."""
+        per_step = self.config.train.prompts_per_step * self.config.rollout.num_generations
+        total, out = 0, []
+        for m in self.history:
+            total += int(m.get("generation/rollouts", per_step - m["experience/replayed"]))
+            out.append(total)
+        return out
+
+    def accuracy_within(self, rollouts: int) -> tuple[int, float]:
+        """(step, accuracy) of the last evaluation whose cumulative sampled rollouts do not exceed `rollouts`."""
+        sampled = [0] + self.fresh_rollouts()
+        return [(s, a) for s, a in self.evaluations() if sampled[s] <= rollouts][-1]
+
+
+def load_results(study: Study, arms: list[str] | None = None) -> list[RunResult]:
+    """Every run of the study (or of the named arms); incomplete or missing runs are named in the error."""
+    from exgrpo.runtime.tracking import read_metrics
+
+    results, missing = [], []
+    for arm in [study.arm(a) for a in arms] if arms else study.arms:
+        for seed in arm.seeds:
+            config = study.config(arm, seed)
+            run_dir = study.run_dir(arm, seed)
+            initial = study.initial_eval_path(config)
+            if not run_complete(run_dir, config.train.steps) or not initial.exists():
+                missing.append(f"{arm.name}/seed-{seed}")
+                continue
+            history = read_metrics(run_dir / "metrics.jsonl")
+            results.append(RunResult(arm, seed, config, history, json.loads(initial.read_text())))
+    if missing:
+        raise ConfigError(f"{study.path}: runs not complete yet: {', '.join(missing)} "
+                          f"(run `exgrpo experiment run {study.path}`)")
+    return results

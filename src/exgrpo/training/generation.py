@@ -1,0 +1,151 @@
+"""The generation stage: roll out a step's groups, score them and, with `rollout.zero_variance` backfill or
+replace_from_buffer, drop the groups whose K rewards are all equal and refill their slots, round after round.
+
+The stage holds no trainer state: it gets the groups and the step, and two hooks for what belongs to the
+experience side (`settle`: retire and observe a round's outcomes; `refill`: groups for dropped slots), so it can
+be driven from another process given an engine, a scorer and the questions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Sequence
+
+import numpy as np
+
+from exgrpo.config import ExGRPOConfig
+from exgrpo.records import Group, GroupRewards, Member
+from exgrpo.rewards.scorer import GroupScorer
+from exgrpo.rollout import RolloutEngine, SamplingSettings, derive_seed
+from exgrpo.runtime.distributed import Distributed
+from exgrpo.runtime.timing import StageTimer
+
+Settle = Callable[[list[Group], np.ndarray], int]  # (groups, (G, K) correct) -> questions retired now
+Refill = Callable[[int, frozenset[str]], list[Group]]  # (slots, question ids asked this step) -> new groups
+
+
+def zero_variance(total: np.ndarray) -> np.ndarray:
+    """(G,) True where all K rewards of a group are exactly equal: group-relative advantages are all 0.
+
+    Exact equality on the reward values, so binary rewards test the success flags and continuous ones are let
+    through whenever any member differs (OpenRLHF's filter tests the mean instead, #1270)."""
+    return (total == total[:, :1]).all(axis=1)
+
+
+def own_members(groups: Sequence[Group]) -> np.ndarray:
+    """(G, K) True for the policy's own members (rollouts and replays), False for demonstrations."""
+    return np.array([[not m.demonstration for m in g.members] for g in groups], dtype=bool).reshape(len(groups), -1)
+
+
+@dataclass
+class Generation:
+    """What one step's generation produced and cost, over all its rounds (rollout.zero_variance)."""
+
+    rounds: int = 0
+    groups: int = 0  # groups rolled out, dropped ones included
+    rollouts: int = 0  # fresh rollouts sampled (replayed members and demonstrations are not)
+    zero_variance: int = 0  # groups whose K rewards were all equal
+    retired: int = 0  # questions retired by any of the groups
+    first_round_pass_at_1: float = 0.0  # the delayed start's batch Pass@1: the drawn batch's own members
+
+    def record(self, groups: Sequence[Group], sampled: int, correct: np.ndarray, zero: np.ndarray,
+               retired: int) -> None:
+        if not self.rounds:
+            self.first_round_pass_at_1 = float(correct[own_members(groups)].mean())
+        self.rounds += 1
+        self.groups += len(groups)
+        self.rollouts += sampled
+        self.zero_variance += int(zero.sum())
+        self.retired += retired
+
+    def metrics(self) -> dict[str, float]:
+        informative = self.groups - self.zero_variance
+        return {"generation/rounds": float(self.rounds), "generation/rollouts": float(self.rollouts),
+                "generation/zero_variance_fraction": self.zero_variance / max(self.groups, 1),
+                "generation/informative_groups": float(informative),
+                "generation/rollouts_per_informative_group": self.rollouts / max(informative, 1)}
+
+
+@dataclass
+class GenerationResult:
+    groups: list[Group]  # the groups to train on, K members each
+    rewards: GroupRewards  # (G, K), aligned with `groups`
+    correct: np.ndarray  # (G, K) reward >= the success threshold
+    stats: Generation
+
+
+class GenerationRounds:
+    """Fill groups to K members with the engine's samples and score them, for one round or, with zero_variance
+    backfill / replace_from_buffer, until the step holds as many informative groups as it started with (at most
+    `max_rounds`). Retirement sees every group; if no group of the step is informative, the last round's are kept.
+
+    Request (group g, member j) of step s is seeded by (seed, s, g, j), g counting every group of the step's rounds,
+    so each has its own stream. `weights` is entered around each rollout (the learner's full weights, in its
+    compute precision, for an engine that samples with the training model).
+    """
+
+    def __init__(self, engine: RolloutEngine, scorer: GroupScorer, *, sampling: SamplingSettings,
+                 num_generations: int, seed: int, success_threshold: float, zero_variance: str = "keep",
+                 max_rounds: int = 3, distributed: Distributed = Distributed(),
+                 weights: Callable[[], ContextManager] = contextlib.nullcontext):
+        self.engine, self.scorer, self.sampling, self.K, self.seed = engine, scorer, sampling, num_generations, seed
+        self.success_threshold, self.mode, self.dist = success_threshold, zero_variance, distributed
+        self.weights = weights
+        self.max_rounds = 1 if zero_variance == "keep" else max_rounds
+
+    @classmethod
+    def from_config(cls, config: ExGRPOConfig, engine: RolloutEngine, scorer: GroupScorer, *,
+                    distributed: Distributed = Distributed(),
+                    weights: Callable[[], ContextManager] = contextlib.nullcontext) -> "GenerationRounds":
+        r = config.rollout
+        return cls(engine, scorer, sampling=SamplingSettings.from_config(r), num_generations=r.num_generations,
+                   seed=config.train.seed, success_threshold=config.reward.success_threshold,
+                   zero_variance=r.zero_variance, max_rounds=r.max_generation_rounds, distributed=distributed,
+                   weights=weights)
+
+    def __call__(self, groups: list[Group], step: int, settle: Settle, refill: Refill,
+                 timer: StageTimer | None = None) -> GenerationResult:
+        """Generate for training step `step` (0-based: the steps done before this one)."""
+        timer = timer or StageTimer()
+        wanted, stats, asked = len(groups), Generation(), set()
+        kept, kept_rewards, kept_correct = [], [], []
+        for _ in range(self.max_rounds):
+            sampled = len(groups) * self.K - sum(len(g.members) for g in groups)
+            with timer("rollout"):
+                self.roll_out(groups, step, first_group=stats.groups)
+            with timer("reward"):
+                rewards = self.scorer(groups, step + 1)
+            correct = rewards.total >= self.success_threshold
+            zero = zero_variance(rewards.total)
+            stats.record(groups, sampled, correct, zero, settle(groups, correct))
+            if self.mode == "keep":
+                return GenerationResult(groups, rewards, correct, stats)
+            informative = np.flatnonzero(~zero)
+            kept += [groups[i] for i in informative]
+            kept_rewards.append(rewards.take(informative))
+            kept_correct.append(correct[informative])
+            asked.update(g.question.id for g in groups)
+            if len(kept) == wanted or stats.rounds == self.max_rounds:
+                break
+            refilled = refill(wanted - len(kept), frozenset(asked))
+            if not refilled:
+                break
+            groups = refilled
+        if not kept:
+            return GenerationResult(groups, rewards, correct, stats)
+        return GenerationResult(kept, GroupRewards.concat(kept_rewards), np.concatenate(kept_correct), stats)
+
+    def roll_out(self, groups: list[Group], step: int, first_group: int = 0) -> None:
+        """Fill every group up to K members with fresh samples. Each rank samples its shard of the groups and every
+        rank receives all of them."""
+        start, end = self.dist.shard_bounds(len(groups))
+        requests = [(gi, j) for gi in range(start, end) for j in range(len(groups[gi].members), self.K)]
+        with self.weights():
+            rollouts = self.engine.generate([groups[gi].prompt_ids for gi, _ in requests], self.sampling,
+                                            [derive_seed(self.seed, step, first_group + gi, j) for gi, j in requests])
+        engine_logprobs = rollouts.logprobs or [None] * len(requests)
+        sampled = self.dist.gather(list(zip(rollouts.completion_ids, rollouts.truncated, engine_logprobs)))
+        slots = [g for g in groups for _ in range(self.K - len(g.members))]
+        for g, (ids, truncated, logprobs) in zip(slots, sampled):
+            g.members.append(Member(ids, truncated, engine_logprobs=logprobs))

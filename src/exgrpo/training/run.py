@@ -1,0 +1,122 @@
+"""Wiring a config into parts: model, questions, reward functions, trainer."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from exgrpo.runtime.checkpoint import checkpoint_dirs, latest_intact_checkpoint, read_trainer_json
+from exgrpo.config import ConfigError, ExGRPOConfig, config_changes
+from exgrpo.data import load_questions, split_holdout
+from exgrpo.runtime.distributed import launched_rank
+from exgrpo.errors import CheckpointError
+from exgrpo.evaluation.contamination import screen_benchmark_questions
+from exgrpo.models import load_policy
+from exgrpo.rewards import ChoiceReward, GradingPool, IsolatedReward, MathReward, ReasoningGymReward
+from exgrpo.rewards.functions import import_function
+from exgrpo.runtime.rundir import holds_a_run, lock_run_directory, refuse_existing_run, unlock_run_directory
+from exgrpo.training.trainer import ExGRPOTrainer
+
+
+@dataclass
+class Run:
+    config: ExGRPOConfig
+    trainer: ExGRPOTrainer
+    grading_pool: GradingPool
+
+    def close(self) -> None:
+        self.trainer.engine.close()
+        self.grading_pool.close()
+
+
+def build_reward_funcs(config: ExGRPOConfig, pool: GradingPool) -> list:
+    r = config.reward
+    if r.function:
+        try:
+            import_function(r.function)  # fail here, not in a grading worker
+        except (ImportError, AttributeError, ValueError) as e:
+            raise ConfigError(f"reward.function: cannot import {r.function!r} (expected 'module:name'): {e}") from None
+        return [IsolatedReward(r.function, pool)]
+    if r.grader == "math":
+        return [MathReward(think_gate=r.think_gate, pool=pool)]
+    if r.grader == "choice":
+        return [ChoiceReward(pool=pool)]
+    return [ReasoningGymReward(pool=pool)]
+
+
+def build_run(config: ExGRPOConfig) -> Run:
+    """Load the questions (benchmark questions screened before the model loads), the model and the rewards."""
+    c = config
+    torch.manual_seed(c.train.seed)
+    questions = load_questions(c.data.train, split=c.data.split, limit=c.data.limit, skip_invalid=c.data.skip_invalid,
+                               prompt_suffix=c.data.prompt_suffix)
+    questions = screen_benchmark_questions(questions, c.data.benchmark_overlap, f"data.train {c.data.train}",
+                                           c.data.prompt_suffix)
+    train, holdout = split_holdout(questions, c.data.holdout, c.train.seed) if c.data.holdout else (list(questions), [])
+    if c.data.eval:
+        holdout = load_questions(c.data.eval, skip_invalid=c.data.skip_invalid, prompt_suffix=c.data.prompt_suffix)
+        holdout = screen_benchmark_questions(holdout, c.data.benchmark_overlap, f"data.eval {c.data.eval}",
+                                             c.data.prompt_suffix)
+    model, tokenizer = load_policy(c.model.name, dtype=c.model.dtype, lora=c.model.lora)
+    pool = GradingPool(num_workers=c.reward.workers, timeout=c.reward.timeout)
+    reward_funcs = build_reward_funcs(c, pool)
+    trainer = ExGRPOTrainer(model, tokenizer, reward_funcs, c, train, eval_dataset=holdout, grading_pool=pool)
+    return Run(c, trainer, pool)
+
+
+def start_point(config: ExGRPOConfig, resume: bool, log: Callable[[str], None] = print
+                ) -> tuple[ExGRPOConfig, Path | None]:
+    """Lock the run directory and decide where the run starts: (config to run, checkpoint to resume from or None).
+
+    Fresh (`resume` false): the directory must not hold another run unless logging.overwrite. Resume: the newest
+    intact checkpoint (broken newer ones are reported); none at all but a run that died before its first
+    checkpoint: start it again from step 0; only broken ones: an error. A config that changes the algorithm
+    relative to the checkpoint's is refused with the differing fields; harmless changes are logged.
+    """
+    directory = config.logging.output_dir
+    main = launched_rank() == 0  # under data parallelism rank 0 owns the directory; the others only read it
+    if main:
+        lock_run_directory(directory)
+    if not resume:
+        if main and not config.logging.overwrite:
+            refuse_existing_run(directory)
+        return config, None
+    if config.logging.overwrite:
+        raise ConfigError("--resume and logging.overwrite (--overwrite) contradict each other")
+    checkpoint = latest_intact_checkpoint(directory)
+    if checkpoint is None:
+        if checkpoint_dirs(directory):
+            raise CheckpointError(f"{directory}: no intact checkpoint to resume from (see the warnings above); "
+                                  "restore one, or start over with --overwrite")
+        if holds_a_run(directory):
+            if main:
+                log(f"{directory}: the run stopped before its first checkpoint; starting it again from step 0")
+            return replace(config, logging=replace(config.logging, overwrite=True)), None
+        return config, None
+    algorithmic, harmless = config_changes(read_trainer_json(checkpoint)["config"], config.to_dict())
+    if algorithmic:
+        raise ConfigError(f"cannot resume {checkpoint} with a config that changes the algorithm: "
+                          f"{'; '.join(algorithmic)} (start a new run in another logging.output_dir instead)")
+    if harmless and main:
+        log(f"resuming with changed settings: {'; '.join(harmless)}")
+    return config, checkpoint
+
+
+@contextlib.contextmanager
+def prepared_run(config: ExGRPOConfig, resume: bool, log: Callable[[str], None] = print
+                 ) -> Iterator[tuple[Run, Path | None]]:
+    """`start_point` then `build_run`: (the run, the checkpoint to resume from or None). The run directory stays
+    locked until the block ends, then the engine and grading pool are closed and the lock released."""
+    try:
+        config, checkpoint = start_point(config, resume, log)
+        run = build_run(config)
+        try:
+            yield run, checkpoint
+        finally:
+            run.close()
+    finally:
+        unlock_run_directory(config.logging.output_dir)

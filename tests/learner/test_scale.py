@@ -1,0 +1,167 @@
+"""What large runs need, checked small: memory-bounded log-probs, token-budget micro-batches, bf16 and activation
+checkpointing, the released loss scale, and the audit fixes (generation config, dropout, long prompts)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from exgrpo.config import config_from_dict
+from exgrpo.data import PromptEncoder
+from exgrpo.runtime.distributed import Distributed
+from exgrpo.learner.objective import LossSettings, mixed_policy_loss
+from exgrpo.learner.policy import pack, token_logprobs
+from exgrpo.rollout import HFEngine, SamplingSettings
+from exgrpo.runtime.timing import StageTimer
+from exgrpo.training.trainer import ExGRPOTrainer
+from exgrpo.learner.update import PolicyUpdate, plan_micro_batches
+
+
+def _batch(tokenizer, questions, completions):
+    encode = PromptEncoder(tokenizer)
+    return pack([(encode(q), c, None) for q in questions for c in completions], tokenizer.pad_token_id)
+
+
+@pytest.mark.parametrize("rows", [torch.arange(8), torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])],
+                         ids=["shared prompts", "no neighbours share"])
+def test_chunked_head_equals_the_full_logits_path(tiny_policy, questions, rows):
+    model, tok = tiny_policy
+    batch = _batch(tok, questions(12)[::6], [[5, 6, 7], [8], [9, 10, 11, 12, 13], [14, 15]])
+    params = [p for p in model.parameters() if p.requires_grad]
+    results = []
+    for chunk in (None, 3):
+        logp, entropy = token_logprobs(model, batch, 0.7, rows, with_entropy=True, chunk_tokens=chunk)
+        grads = torch.autograd.grad((logp.sum() + entropy.sum()), params)
+        results.append((logp, entropy, grads))
+    (a_lp, a_ent, a_g), (b_lp, b_ent, b_g) = results
+    torch.testing.assert_close(a_lp, b_lp, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(a_ent, b_ent, atol=1e-6, rtol=1e-6)
+    for a, b in zip(a_g, b_g):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert (a_lp * (1 - batch.completion_mask[rows])).abs().sum() == 0  # padding holds zeros
+
+
+def test_micro_batch_plan_respects_the_token_budget():
+    prompt = torch.tensor([4, 4, 4, 4, 9, 9])
+    completion = torch.tensor([1, 6, 2, 6, 3, 30])
+    plan = plan_micro_batches(torch.arange(6), prompt, completion, max_rows=3, max_tokens=30)
+    assert sorted(int(r) for m in plan for r in m) == list(range(6))  # every row exactly once
+    for m in plan:
+        cost = len(m) * (int(prompt[m].max()) + int(completion[m].max()))
+        assert cost <= 30 or len(m) == 1  # a row above the budget gets its own micro-batch
+    assert [len(m) for m in plan][0] == 1 and plan[0].tolist() == [5]  # longest first: the 39-token row
+    assert [m.tolist() for m in plan_micro_batches(torch.arange(6), prompt, completion, 4, None)] == \
+        [[0, 1, 2, 3], [4, 5]]
+
+
+def _update(model, **train):
+    config = config_from_dict({"train": {"mini_batches": 1, "micro_batch_size": 64, "learning_rate": 1e-3,
+                                         "steps": 2, **train}})
+    return PolicyUpdate(model, config.train, group_size=4, temperature=1.0, dist=Distributed())
+
+
+def test_token_budget_micro_batches_give_the_one_micro_batch_update(questions):
+    from exgrpo.models import load_policy
+
+    outcomes = []
+    for budget in (None, 40):
+        model, tok = load_policy("tiny:0")
+        batch = _batch(tok, questions(12)[::4], [[5, 6, 7], [8], [9, 10, 11, 12, 13, 14], [15, 16]])
+        advantages = torch.tensor([0.5, -0.5, 0.25, -0.25] * 3)
+        update = _update(model, max_tokens_per_micro_batch=budget)
+        result = update(batch, advantages, LossSettings(aggregation="token_mean", entropy_coef=0.01), True,
+                        np.random.default_rng(0), StageTimer())
+        outcomes.append((result.stats, [p.detach().clone() for p in model.parameters()]))
+    (a, pa), (b, pb) = outcomes
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"], 1e-6)
+    for x, y in zip(pa, pb):  # AdamW's first step is ~lr*sign(g): a gradient difference of 1e-7 moves little
+        torch.testing.assert_close(x, y, atol=2e-6, rtol=0)
+
+
+def test_entropy_bonus_per_micro_batch_adds_up_the_micro_batch_means():
+    """loss_scale per_rank (released): each micro-batch's bonus is over its own tokens, and they are summed."""
+    logp = torch.zeros(2, 3)
+    mask = torch.tensor([[1.0, 1, 1], [1, 0, 0]])
+    entropy = torch.tensor([[1.0, 1, 1], [4, 9, 9]])
+    adv, replay = torch.zeros(2), torch.zeros(2, 3, dtype=torch.bool)
+    settings = LossSettings(entropy_coef=1.0, entropy_per_micro_batch=True)
+    parts = [mixed_policy_loss(logp[i:i + 1], logp[i:i + 1], logp[i:i + 1], adv[i:i + 1], mask[i:i + 1],
+                               replay[i:i + 1], settings, entropy=entropy[i:i + 1], total_tokens=4.0)[0]
+             for i in range(2)]
+    assert sum(parts).item() == pytest.approx(-(1.0 + 4.0))  # mean 1 over 3 tokens, mean 4 over 1 token
+    whole = LossSettings(entropy_coef=1.0)
+    parts = [mixed_policy_loss(logp[i:i + 1], logp[i:i + 1], logp[i:i + 1], adv[i:i + 1], mask[i:i + 1],
+                               replay[i:i + 1], whole, entropy=entropy[i:i + 1], total_tokens=4.0)[0]
+             for i in range(2)]
+    assert sum(parts).item() == pytest.approx(-7.0 / 4)  # one token mean over the mini-batch's 4 tokens
+
+
+def test_bf16_with_activation_checkpointing_and_chunking_still_learns(tiny_policy, questions, tmp_path):
+    model, tok = tiny_policy
+    config = config_from_dict({
+        "rollout": {"num_generations": 4, "max_completion_length": 2},
+        "train": {"steps": 25, "prompts_per_step": 8, "mini_batches": 1, "micro_batch_size": 32,
+                  "learning_rate": 1e-2, "seed": 3, "dtype": "bf16", "activation_checkpointing": True,
+                  "logprob_chunk_tokens": 16, "save_every": 0},
+        "experience": {"start_threshold": 0.1},
+        "logging": {"output_dir": str(tmp_path / "run"), "progress": False, "tensorboard": False},
+    })
+
+    def lowercase_first(prompts, completions, completion_ids, answer, **_):
+        return [float(c[:1] in "abcdefghijklmnopqrstuvwxyz") for c in completions]
+
+    history = ExGRPOTrainer(model, tok, [lowercase_first], config, questions(24)).train()
+    first, last = np.mean([m["reward"] for m in history[:3]]), np.mean([m["reward"] for m in history[-3:]])
+    assert first < 0.5 and last > 0.8, (first, last)
+    assert model.is_gradient_checkpointing
+
+
+def test_the_models_generation_config_does_not_change_what_is_sampled(tiny_policy, questions):
+    """A repetition penalty in generation_config.json would reshape the distribution before our sampler."""
+    model, tok = tiny_policy
+    prompts = [PromptEncoder(tok)(q) for q in questions(3)] * 2
+    sampling, seeds = SamplingSettings(12), list(range(6))
+    plain = HFEngine(model, tok).generate(prompts, sampling, seeds).completion_ids
+    model.generation_config.repetition_penalty = 50.0
+    model.generation_config.no_repeat_ngram_size = 1
+    assert HFEngine(model, tok).generate(prompts, sampling, seeds).completion_ids == plain
+    # and the model's own generate would have obeyed them: no token repeated within a completion
+    out = model.generate(input_ids=torch.tensor([prompts[0]]), max_new_tokens=12, do_sample=False)
+    new = out[0, len(prompts[0]):].tolist()
+    assert len(set(new)) == len(new) and plain[0] != new
+
+
+def test_behaviour_logprobs_come_from_the_sampling_policy_without_dropout(questions):
+    """With LoRA dropout and one mini-batch, the recorded behaviour log-probs are still the eval-mode ones."""
+    from exgrpo.config import LoraConfig
+    from exgrpo.models import load_policy
+
+    model, tok = load_policy("tiny:0", lora=LoraConfig(r=4, alpha=8, dropout=0.5))
+    with torch.no_grad():  # lora_B starts at zero, which would make dropout on the adapter invisible
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    batch = _batch(tok, questions(8)[::4], [[5, 6, 7], [8, 9], [10], [11, 12]])
+    model.eval()
+    with torch.no_grad():
+        expected, _ = token_logprobs(model, batch, 1.0)
+    model.train()
+    result = _update(model)(batch, torch.tensor([0.5, -0.5, 0.25, -0.25] * 2), LossSettings(), True,
+                            np.random.default_rng(0), StageTimer())
+    torch.testing.assert_close(result.behaviour_logp, expected, atol=1e-6, rtol=0)
+    assert not math.isclose(result.stats["ratio/mean"], 1.0, abs_tol=1e-4)  # training forwards had dropout
+
+
+def test_long_prompts_are_dropped_with_a_warning(tiny_policy, questions, tmp_path):
+    from exgrpo.data import Question
+
+    model, tok = tiny_policy
+    long = Question("long", ({"role": "user", "content": "x" * 500},), "1", {})
+    config = config_from_dict({"rollout": {"num_generations": 2}, "train": {"prompts_per_step": 2},
+                               "data": {"max_prompt_length": 64},
+                               "logging": {"output_dir": str(tmp_path / "r"), "progress": False}})
+    with pytest.warns(UserWarning, match="dropped 1 of 5 training questions whose prompt is longer than"):
+        trainer = ExGRPOTrainer(model, tok, [lambda completions, **_: [0.0] * len(completions)], config,
+                                questions(4) + [long])
+    assert sorted(trainer.pool.questions) == ["q0", "q1", "q2", "q3"]

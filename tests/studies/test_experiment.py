@@ -1,0 +1,154 @@
+"""Multi-seed studies: runs, skip/resume bookkeeping, the shared before-training evaluation, the report."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import run_cli
+
+from exgrpo.config import ConfigError
+from exgrpo.studies.runner import completed_steps, load_results, load_study, run_study
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _study(tmp_path, arms=None, **extra):
+    spec = {
+        "base": str(ROOT / "configs" / "tiny.yaml"), "output_dir": "runs", "seeds": [1, 2],
+        "overrides": ["train.steps=3", "train.save_every=2", "eval.every=2", "logging.progress=false",
+                      "logging.sample_every=0"],
+        "baseline": "grpo",
+        "arms": arms if arms is not None else {"grpo": {"label": "GRPO", "overrides": ["experience.ratio=0"]},
+                         "exgrpo": {"label": "ExGRPO"},
+                         "uniform": {"overrides": ["experience.bucket_scheme=uniform"], "seeds": [1]}},
+        **extra,
+    }
+    path = tmp_path / "study.yaml"
+    path.write_text(json.dumps(spec))  # JSON is YAML
+    return path
+
+
+def test_study_runs_every_arm_and_seed_once_and_reports(tmp_path):
+    study = load_study(_study(tmp_path))
+    messages = []
+    run_study(study, log=messages.append)
+    assert sum("starting" in m for m in messages) == 5
+    for arm in study.arms:
+        for seed in arm.seeds:
+            assert completed_steps(study.run_dir(arm, seed)) == 3
+    # arms of one seed start from the same model, data and eval seed: one before-training evaluation per seed
+    assert len(list((study.output_dir / "initial").glob("*.json"))) == 2
+    results = load_results(study)
+    grpo = [r for r in results if r.arm.name == "grpo"]
+    assert all(m["experience/replayed"] == 0 for r in grpo for m in r.history)
+    assert [s for s, _ in grpo[0].evaluations()] == [0, 2, 3]  # every 2 steps and after the last
+    assert grpo[0].fresh_rollouts() == [16, 32, 48]  # 4 questions × K=4 per step, nothing replayed
+
+    messages.clear()
+    run_study(study, log=messages.append)  # everything complete: nothing runs again
+    assert len(messages) == 5 and all("skipped" in m for m in messages)
+
+    out = tmp_path / "report"
+    done = run_cli(["experiment", "report", str(tmp_path / "study.yaml"), "--main", "grpo", "exgrpo", "--output",
+                    str(out)])
+    assert done.returncode == 0, done.stderr
+    text = (out / "report.md").read_text()
+    assert "| GRPO | 1, 2 |" in text and "| uniform | 1 |" in text
+    assert "| ExGRPO | 1, 2 |" in text.split("## Paired differences")[1]  # uniform has one seed: no interval
+    for png in ("main_heldout.png", "main_training.png", "main_buffer.png", "main_analyses.png",
+                "ablations_heldout.png", "all_final.png"):
+        assert (out / png).stat().st_size > 1000 and f"({png})" in text
+
+    def report(*arms):
+        return run_cli(["experiment", "report", str(tmp_path / "study.yaml"), "--main", "grpo", "exgrpo", "--arms",
+                        *arms, "--output", str(tmp_path / "some")])
+
+    assert report("grpo", "exgrpo").returncode == 0  # an unfinished arm can be left out
+    assert "uniform" not in (tmp_path / "some" / "report.md").read_text()
+    refused = report("exgrpo", "uniform")
+    assert refused.returncode == 2 and "leaves out grpo" in refused.stderr
+
+
+def test_a_run_that_retires_every_question_is_complete_and_evaluated_at_its_last_step(tmp_path):
+    path = _study(tmp_path, arms={"grpo": {"overrides": ["experience.ratio=0"]}}, seeds=[1], overrides=[
+        "data.train=reasoning_gym:basic_arithmetic?size=24&seed=1&min_terms=2&max_terms=2&min_digits=1&max_digits=1",
+        "reward.function=toy_rewards:always_right", "train.steps=10", "eval.every=3", "logging.progress=false"])
+    study = load_study(path)
+    run_study(study, log=lambda m: None)
+    (result,) = load_results(study)  # complete, although it stopped before train.steps
+    assert result.history[-1]["fresh_questions_remaining"] == 0 and result.history[-1]["step"] < 10
+    last = result.history[-1]["step"]
+    assert [s for s, _ in result.evaluations()] == [0, 3, last] and last > 3
+    messages = []
+    run_study(study, log=messages.append)
+    assert messages == [f"grpo seed 1: complete ({last} steps), skipped"]
+
+
+def test_interrupted_run_resumes_and_report_waits_for_it(tmp_path):
+    path = _study(tmp_path, arms={"grpo": {"overrides": ["experience.ratio=0"]}}, seeds=[1])
+    study = load_study(path)
+    arm = study.arm("grpo")
+    run_study(study, log=lambda m: None)
+    metrics = study.run_dir(arm, 1) / "metrics.jsonl"
+    full = metrics.read_text().splitlines()
+    # as if killed after step 2: only that checkpoint is left
+    for ckpt in (study.run_dir(arm, 1) / "checkpoints").iterdir():
+        if ckpt.name.endswith("000003"):
+            import shutil
+
+            shutil.rmtree(ckpt)
+    assert completed_steps(study.run_dir(arm, 1)) == 2
+    with pytest.raises(ConfigError, match="grpo/seed-1"):
+        load_results(study)
+    messages = []
+    run_study(study, log=messages.append)
+    assert messages == ["grpo seed 1: resuming at step 2"]
+    assert [json.loads(x)["reward"] for x in metrics.read_text().splitlines()] == \
+        [json.loads(x)["reward"] for x in full]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"seeds": []}, "seeds: expected a non-empty list"),
+    ({"arms": {}}, "arms: expected a mapping"),
+    ({"colour": 1}, r"unknown keys \['colour'\]"),
+    ({"baseline": "nope"}, "no arm 'nope'"),
+    ({"arms": {"a": {"overrides": ["experience.ratio=two"]}}, "baseline": "a"}, "arm 'a'.*experience.ratio"),
+    ({"arms": {"a": {"overrides": "experience.ratio=0"}}, "baseline": "a"}, "arms.a.overrides: expected a list"),
+])
+def test_bad_study_files_name_the_key(tmp_path, change, message):
+    path = _study(tmp_path, **change)
+    with pytest.raises(ConfigError, match=message):
+        load_study(path)
+
+
+def _paired(steps, rollouts=None):
+    from exgrpo.studies.statistics import PairedDifference
+
+    steps = np.array(steps) / 100
+    return PairedDifference([1, 2, 3], steps, steps if rollouts is None else np.array(rollouts) / 100, [60] * 3)
+
+
+def test_t_interval_and_the_pre_registered_verdict_rules():
+    from exgrpo.studies.statistics import t_interval, verdict
+
+    mean, low, high = t_interval(np.array([1.0, 2.0, 3.0]))
+    assert mean == 2.0 and high - mean == pytest.approx(4.303 * 1.0 / np.sqrt(3))
+    assert verdict(_paired([4, 5, 6])) == "helps"  # mean +5, interval [+2.5, +7.5]
+    assert verdict(_paired([2, 2.5, 3])) == "no difference"  # mean below +3, interval inside ±5
+    assert verdict(_paired([-4, -5, -6])) == "hurts"
+    assert verdict(_paired([-4, -5, -6], rollouts=[1, 1, 1])) == "inconclusive at this power"  # sign flips
+    assert verdict(_paired([-10, 5, 20])) == "inconclusive at this power"
+    with pytest.raises(ValueError, match="2 to 10"):
+        t_interval(np.array([0.1]))
+
+
+def test_curves_of_runs_that_end_at_different_steps_align():
+    from exgrpo.studies.report import _aligned
+
+    short, long = [(0, 0.1), (10, 0.5), (12, 1.0)], [(0, 0.2), (10, 0.6), (20, 0.8)]
+    grid, rows = _aligned([short, long], carry=True)  # held-out accuracy: a finished run keeps its last value
+    assert grid.tolist() == [0, 10, 12, 20]
+    assert np.allclose(rows, [[0.1, 0.5, 1.0, 1.0], [0.2, 0.6, 0.64, 0.8]])
+    _, rows = _aligned([short, long], carry=False)  # training metrics: nothing after a run's last step
+    assert np.isnan(rows[0, 3]) and np.isnan(rows[1, 2]) and rows[1, 3] == 0.8
