@@ -75,3 +75,9 @@ $(BENCH_STAMP): pyproject.toml constraints.txt bench/requirements.txt
 bench-trl: $(BENCH_STAMP)
 	$(BENCH_VENV)/bin/python bench/step_time.py --model tiny
 	$(BENCH_VENV)/bin/python bench/step_time.py --model smollm2
+
+# The GPU check (bench/gpu_check.sh) runs on a machine without network: math-verify's wheels travel with the tree.
+.PHONY: gpu-check-wheels
+gpu-check-wheels: $(STAMP)
+	$(PY) -m pip download --quiet --no-deps -c constraints.txt -d .gpu-wheels math-verify latex2sympy2_extended \
+		antlr4-python3-runtime

@@ -73,7 +73,7 @@ class ScriptedEngine:
             truncated.append(cut)
         return Rollouts(completions, truncated)
 
-    def sync_weights(self) -> None:
+    def sync_weights(self, version: int = 0) -> None:
         self.syncs += 1
 
 

@@ -13,6 +13,10 @@ class CheckpointError(ExgrpoError):
     """A checkpoint that is missing, incomplete or corrupt."""
 
 
+class EngineError(ExgrpoError):
+    """A rollout engine that cannot be built, cannot do what was asked, or does not hold the trainer's weights."""
+
+
 class TrainingError(ExgrpoError):
     """Training cannot continue meaningfully (non-finite values, no rewards, too many skipped updates)."""
 

@@ -105,6 +105,8 @@ def test_overrides_in_both_spellings():
     (["logging.output_dir=' '"], "logging.output_dir must be a non-empty string"),
     (["experience"], "must look like section.field=value"),
     (["model.lora.target_modules=q_proj,"], "model.lora.target_modules must be all-linear or a comma list"),
+    (["objective.loss_scale=per_rank", "objective.aggregation=token_mean"],
+     "objective.loss_scale per_rank is the released scale of aggregation sum_constant"),
     # "x applies to y only" is judged on what the user set, even when it equals the default
     (["rollout.max_generation_rounds=3"], "rollout.max_generation_rounds applies to rollout.zero_variance backfill"),
     (["experience.bucket_scheme=uniform", "experience.bucket_sigma=1.0"],

@@ -75,6 +75,10 @@ def test_full_weights_parity_before_and_after_a_sync(smollm2):
         assert len(many.completion_ids) == 150
         worst, _, before = _parity(model, tok, engine, prompts, seeds)
         assert worst <= 1e-4
+        engine.verify_weights()  # the engine holds the trainer's weights, read back exactly
+        _perturb(model, scale=1e-6)  # an update the size of one AdamW step at lr 1e-6
+        with pytest.raises(EngineError, match="does not hold the trainer's weights: 1[0-9]+ of 1[0-9]+ checked"):
+            engine.verify_weights()
         _perturb(model)
         stale, _, _ = _parity(model, tok, engine, prompts, seeds)
         assert stale > 1e-2  # the engine still runs the old weights: the probe sees it
@@ -174,22 +178,39 @@ def test_exgrpo_with_the_vllm_engine_switches_replays_and_resumes_exactly(tmp_pa
 def test_two_fsdp_ranks_with_one_engine_each_match_one_process(tmp_path, full_run):
     """Each rank's engine samples its shard of the groups; the push gathers the sharded LoRA policy."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m"]
-    _train(tmp_path / "fsdp", "train.steps=2", "train.sharding=fsdp", launcher=torchrun)
+    result = _train(tmp_path / "fsdp", "train.steps=2", "train.sharding=fsdp", launcher=torchrun)
     _same_run(_metrics(tmp_path / "fsdp"), full_run[1][:2])
+    for rank in (0, 1):  # external_launcher: each rank's engine runs as that rank, on its device
+        assert f"rank {rank}: vLLM engine on cpu (engine rank {rank}, local rank {rank})" in result.stderr
+
+
+def _train_in_process(run_dir, *extra):
+    return run_cli(["train", "--config", str(ROOT / "configs" / "demo.yaml"), "rollout.engine=vllm", "train.steps=3",
+                    "train.prompts_per_step=4", "rollout.num_generations=4", "rollout.max_completion_length=12",
+                    "objective.normalizer=12", "data.holdout=0", "eval.every=0", "logging.progress=false",
+                    "rollout.max_model_len=128", "rollout.generation_batch_size=16", f"logging.output_dir={run_dir}",
+                    *extra])
 
 
 @pytest.mark.slow
-def test_a_skipped_sync_is_caught_by_the_parity_probe(tmp_path, monkeypatch):
-    """The engine's sync turned into a no-op (the failure users report from peers)."""
-    monkeypatch.setattr(VLLMEngine, "sync_weights", lambda self: None)
-    result = run_cli(["train", "--config", str(ROOT / "configs" / "demo.yaml"), "rollout.engine=vllm", "train.steps=3",
-                      "train.prompts_per_step=4", "rollout.num_generations=4", "rollout.max_completion_length=12",
-                      "objective.normalizer=12", "train.learning_rate=3e-2", "data.holdout=0", "eval.every=0",
-                      "logging.progress=false", "rollout.max_model_len=128", "rollout.generation_batch_size=16",
-                      f"logging.output_dir={tmp_path / 'run'}"])
+def test_a_skipped_sync_at_the_recipes_learning_rate_is_caught_at_once(tmp_path, monkeypatch):
+    """The engine's sync turned into a no-op (the failure users report from peers), at lr 1e-6, where the stale
+    engine's log-probs stay within any parity threshold: the weight check stops the run at step 2's rollout."""
+    monkeypatch.setattr(VLLMEngine, "sync_weights", lambda self, version=0: None)
+    result = _train_in_process(tmp_path / "run", "train.learning_rate=1e-6")
     assert result.returncode == 2, result.stderr[-3000:]
-    assert "the engine is not running the trainer's weights" in result.stderr
-    assert "step 2: the rollout engine's log-probs differ" in result.stderr
+    assert "sampled from weights version 0, but the learner is at version 1" in result.stderr
+    assert len(_metrics(tmp_path / "run")) == 1  # step 1 ran; step 2's first rollout found the stale engine
+
+
+@pytest.mark.slow
+def test_a_correct_bf16_engine_with_a_bf16_trainer_is_never_stopped(tmp_path):
+    """The paper's precision pair: the parity probe's default threshold for it, TIS on (engine_correction auto)."""
+    result = _train_in_process(tmp_path / "run", "train.dtype=bf16", "train.learning_rate=2e-4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = _metrics(tmp_path / "run")
+    print("bf16/bf16 logp_diff_mean per step:", [round(m["rollout/logp_diff_mean"], 4) for m in metrics])
+    assert len(metrics) == 3 and all("tis/weight_mean" in m for m in metrics)
 
 
 @pytest.mark.slow

@@ -101,3 +101,15 @@ def test_a_rank_without_groups_does_not_hang(tmp_path, sharding):
     metrics = _run(TORCHRUN, tmp_path / "run", f"train.sharding={sharding}", "experience.ratio=0", data,
                    "data.holdout=0", "reward.function=toy_rewards:all_but_answer_15")
     assert len(metrics) == STEPS and [m["fresh_questions_remaining"] for m in metrics][-2:] == [1, 1]
+
+
+@pytest.mark.slow
+def test_per_rank_loss_scale_is_the_released_sum_over_each_ranks_share(tmp_path):
+    """sum_constant, loss_scale per_rank on 2 ranks: each rank's token sum / normalizer, gradients averaged, so the
+    first step's gradient is exactly half the one-process gradient (entropy bonus off, same weights)."""
+    step = ["train.steps=1", "objective.entropy_coef=0", "experience.ratio=0", "train.mini_batches=1",
+            "train.micro_batch_size=16"]
+    two = _run(TORCHRUN, tmp_path / "per_rank", *step, "objective.loss_scale=per_rank")[0]
+    one = _run(ONE, tmp_path / "one", *step)[0]
+    assert two["reward"] == one["reward"] and two["completions/mean_length"] == one["completions/mean_length"]
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"] / 2, rel=1e-4)

@@ -152,6 +152,10 @@ def _reward_and_objective_rules(cfg):
     yield o.normalizer is None or o.normalizer > 0, f"objective.normalizer must be null or > 0 (got {o.normalizer})"
     yield o.normalizer is None or o.aggregation == "sum_constant", \
         f"objective.normalizer is used by aggregation sum_constant only (aggregation is {o.aggregation!r})"
+    yield o.loss_scale == "global" or o.aggregation == "sum_constant", \
+        (f"objective.loss_scale per_rank is the released scale of aggregation sum_constant (each rank's token sum / "
+         f"normalizer, gradients averaged over ranks); with {o.aggregation} it would divide the gradient by the "
+         "number of ranks: use loss_scale global")
 
 
 def _experience_rules(cfg, given: set[str]):
@@ -233,11 +237,11 @@ def _train_eval_and_logging_rules(cfg):
 
 
 def engine_correction_cap(cfg) -> float | None:
-    """objective.tis_cap when truncated IS corrects the engine (tis, or auto with the vllm engine in another
-    precision than the trainer's); None otherwise."""
+    """objective.tis_cap when truncated IS corrects the engine, else None. `auto` corrects whenever the rollouts
+    come from an engine other than the trainer's own forward (vllm: other kernels and reduction orders differ from
+    the trainer's even at the same precision); `tis` always; `none` never."""
     mode = cfg.objective.engine_correction
-    mismatch = cfg.rollout.engine == "vllm" and engine_precision(cfg) != compute_precision(cfg)
-    return cfg.objective.tis_cap if mode == "tis" or (mode == "auto" and mismatch) else None
+    return cfg.objective.tis_cap if mode == "tis" or (mode == "auto" and cfg.rollout.engine == "vllm") else None
 
 
 def compute_precision(cfg) -> str:
@@ -275,10 +279,13 @@ def config_changes(old: dict, new: dict) -> tuple[list[str], list[str]]:
         return out
 
     a, b = flat(old), flat(new)
+    bf16 = "bf16" in (a.get("train.dtype"), b.get("train.dtype"))
     algorithmic, harmless = [], []
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key):
             line = f"{key}: {a.get(key)!r} -> {b.get(key)!r}"
             is_harmless = any(key == h or (h.endswith(".") and key.startswith(h)) for h in RESUMABLE_CHANGES)
+            if key == "train.sharding" and bf16:  # FSDP casts parameters itself, DDP autocasts: other numbers
+                is_harmless, line = False, line + " (in bf16, FSDP and DDP compute differently)"
             (harmless if is_harmless else algorithmic).append(line)
     return algorithmic, harmless

@@ -92,8 +92,9 @@ class RolloutConfig:
     """vllm: every N steps compare the engine's sampling log-probs with the trainer's on the same tokens (logged
     as rollout/logp_diff_*); 0 never."""
     parity_threshold: float | None = None
-    """vllm: stop when the mean absolute log-prob difference exceeds this (the engine is not running the
-    trainer's weights); null: 0.05 nats, or 0.1 when the engine's precision differs from the trainer's."""
+    """vllm: stop when the mean absolute log-prob difference exceeds this (a gross mismatch between engine and
+    trainer); null: the measured default of the precision pair (0.01 nats fp32/fp32, 0.25 with bf16; see
+    exgrpo.rollout.parity)."""
     num_generations: int = 8
     """K: the group size, rollouts per question (an experiential question's replay is one of them)."""
     max_completion_length: int = 8192
@@ -161,14 +162,15 @@ class ObjectiveConfig:
     engine_correction: Literal["auto", "none", "tis"] = "auto"
     """Correct for an engine that samples from a slightly different distribution than the trainer computes
     (another precision or kernels): tis weights each fresh token's loss by min(pi_trainer_old / pi_engine, tis_cap)
-    (truncated importance sampling); auto is tis when the vllm engine's precision differs from the trainer's."""
+    (truncated importance sampling); auto is tis whenever rollouts come from an engine other than the trainer's own
+    forward (rollout.engine vllm, at any precision); none turns it off (refused across precisions)."""
     tis_cap: float = 2.0
     """The truncation C of the tis weight."""
     loss_scale: Literal["global", "per_rank"] = "global"
     """global: the update equals one process's over the whole mini-batch, whatever the number of ranks.
-    per_rank: the released code's scale (spec §4.3): each rank's loss over its own share, gradients averaged
-    over ranks (so sum_constant's normalizer is effectively times the ranks), the entropy bonus over each
-    micro-batch and summed."""
+    per_rank: the released code's scale (spec §4.3), with aggregation sum_constant only: each rank's token sum over
+    its own share / normalizer, gradients averaged over ranks (so the normalizer is effectively times the ranks),
+    the entropy bonus over each micro-batch and summed."""
 
 
 @dataclass

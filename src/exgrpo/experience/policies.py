@@ -114,6 +114,13 @@ class PrioritizedReplay:
         self.success_rate = dict(state.get("success_rate", {}))
 
 
+def replay_policy_from_config(experience, buffer: ExperienceBuffer, num_generations: int) -> ReplayPolicy:
+    """The policy the `experience` config section names, with its bucket scheme and retest settings."""
+    e = experience
+    return build_replay_policy(e.policy, buffer, num_generations=num_generations, scheme=e.bucket_scheme,
+                               sigma=e.bucket_sigma, mean=e.bucket_mean, retest_every=e.retest_every)
+
+
 def build_replay_policy(name: str, buffer: ExperienceBuffer, *, num_generations: int, scheme: str = "normal",
                         sigma: float = 1.0, mean: float | None = None, retest_every: int = 10) -> ReplayPolicy:
     """The policy `experience.policy` names (the bucket scheme's settings and retest_every as in its config)."""

@@ -89,7 +89,8 @@ class PolicyUpdate:
         loss_scale: "global" or "per_rank" (see the module docstring).
         tis_cap: weight fresh tokens by min(pi_old / pi_engine, tis_cap) where the engine reported log-probs;
             None: no engine correction.
-        on_optimizer_step: called after every applied optimizer step (e.g. an engine reloading weights).
+        on_optimizer_step: called after every applied optimizer step, with `weights_version` updated (e.g. an
+            engine reloading weights).
     """
 
     @classmethod
@@ -138,6 +139,11 @@ class PolicyUpdate:
                                        num_training_steps=train.steps * train.mini_batches)
         self.optimizer_steps = 0
         self.skipped_updates = 0
+
+    @property
+    def weights_version(self) -> int:
+        """The optimizer steps applied to the weights so far (skipped ones change nothing)."""
+        return self.optimizer_steps - self.skipped_updates
 
     @property
     def learning_rate(self) -> float:
@@ -303,7 +309,8 @@ class PolicyUpdate:
     def _optimizer_step(self) -> float:
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.train.max_grad_norm)
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        if not math.isfinite(norm) or norm > self.train.skip_grad_norm:
+        applied = math.isfinite(norm) and norm <= self.train.skip_grad_norm
+        if not applied:
             self.skipped_updates += 1
             if self.skipped_updates > self.train.max_skipped_updates:
                 raise TrainingError(f"{self.skipped_updates} optimizer steps skipped (gradient norm {norm:g}: "
@@ -314,10 +321,11 @@ class PolicyUpdate:
             if not all_finite(self.params, self.dist):
                 raise TrainingError(f"the weights are not finite after an optimizer step (learning rate "
                                     f"{self.learning_rate:g}); the last checkpoint is the last good state")
-            self.on_optimizer_step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.optimizer_steps += 1
+        if applied:
+            self.on_optimizer_step()
         return norm
 
     def _gather_rows(self, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -54,9 +54,10 @@ class RolloutEngine(Protocol):
         """
         ...
 
-    def sync_weights(self) -> None:
-        """Called after every optimizer step and after a resume (engines holding their own copy of the weights
-        reload here)."""
+    def sync_weights(self, version: int = 0) -> None:
+        """Called after every applied optimizer step and after a resume: the trainer's weights are now at `version`
+        (applied optimizer steps). An engine holding its own copy reloads it and reports the version it holds as
+        `weights_version`, which the generation stage checks against the learner's."""
         ...
 
     def close(self) -> None:

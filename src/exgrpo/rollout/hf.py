@@ -48,7 +48,7 @@ class HFEngine:
         eos = tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
 
-    def sync_weights(self) -> None:  # generates with the live training weights
+    def sync_weights(self, version: int = 0) -> None:  # generates with the live training weights
         pass
 
     def close(self) -> None:

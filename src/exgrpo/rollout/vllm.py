@@ -20,8 +20,12 @@ Every vLLM-version-specific call lives in this module; it is tested with vLLM 0.
   node) with 32-token blocks (the CPU attention kernel needs a multiple of 32), and prompts are prefilled whole
   (a chunked prefill rewinds the request's generator, which CPU generators cannot do); on CUDA
   `gpu_memory_utilization` sizes it and sleep mode frees it (and offloads the weights) while the trainer updates.
-* One engine per data-parallel rank, each sampling its rank's requests; under FSDP the push runs while the
-  trainer's weights are gathered for the rollout, so each engine receives full tensors.
+* One engine per data-parallel rank, each sampling its rank's requests. Under torchrun the engine is built with
+  `distributed_executor_backend="external_launcher"` (as TRL's colocate mode and verl do), which takes RANK and
+  LOCAL_RANK from the environment and joins the trainer's process group: vLLM's default uni-process executor would
+  put every rank's engine on device 0. The engine's rank and device are checked after it is built, and the push
+  thread is pinned to the rank's device. Under FSDP the push runs while the trainer's weights are gathered for the
+  rollout, so each engine receives full tensors.
 
 The sync is lazy: `sync_weights` (after every optimizer step and after a resume) marks the copy stale and the next
 `generate` pushes the weights once, so M mini-batches cost one push. A push that takes longer than `sync_timeout`
@@ -38,21 +42,18 @@ import math
 import os
 import random
 import shutil
+import sys
 import tempfile
 from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 
-from exgrpo.errors import ExgrpoError
+from exgrpo.errors import EngineError
 from exgrpo.rollout.base import Rollouts, SamplingSettings
 
 SUPPORTED_VERSIONS = ">=0.32,<0.33"
 _BLOCK = 32
-
-
-class EngineError(ExgrpoError):
-    """The vLLM engine cannot be built or cannot do what was asked."""
 
 
 def _import_vllm():
@@ -100,15 +101,40 @@ def policy_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
             if isinstance(module, LoraLinear):
                 weight = module.base_layer.weight
                 delta = torch.zeros_like(weight)
-                for adapter in module.active_adapters:
-                    a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
-                    delta = delta + module.scaling[adapter] * (b @ a).to(delta.dtype)
+                # in the weights' own precision whatever the caller's autocast (the push runs in another thread)
+                with torch.autocast(weight.device.type, enabled=False):
+                    for adapter in module.active_adapters:  # peft's own delta: fan_in_fan_out layers transposed
+                        delta = delta + module.get_delta_weight(adapter).to(delta.dtype)
                 merged[f"{name}.weight"] = (weight + delta).detach()
     for name, param in base.named_parameters(remove_duplicate=False):
         if ".lora_" in name:
             continue
         name = name.replace(".base_layer.", ".")
         yield name, merged.get(name, param.detach())
+
+
+def check_pushable(model) -> None:
+    """Refuse, with the reason, a peft model whose adapters `policy_weights` cannot merge into plain weights: only
+    LoRA on linear layers is pushed (fan_in_fan_out included). DoRA rescales the merged weight, modules_to_save
+    keeps a trained copy under another name, and LoRA on other layers (embeddings, convolutions) is not merged:
+    the engine would sample from stale weights while vLLM only warns about the names it did not load."""
+    if not hasattr(model, "peft_config"):
+        return
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.utils import ModulesToSaveWrapper
+
+    for name, module in model.named_modules():
+        if isinstance(module, ModulesToSaveWrapper):
+            raise EngineError(f"rollout.engine vllm cannot push modules_to_save ({name}): train it with "
+                              "rollout.engine hf, or leave it frozen")
+        if isinstance(module, LoraLayer):
+            if not isinstance(module, LoraLinear):
+                raise EngineError(f"rollout.engine vllm pushes LoRA on linear layers only; {name} is a "
+                                  f"{type(module.get_base_layer()).__name__} (model.lora.target_modules)")
+            if any(module.use_dora.get(a, False) for a in module.active_adapters):
+                raise EngineError(f"rollout.engine vllm cannot push DoRA adapters ({name}): their merged weight is "
+                                  "rescaled per column; use plain LoRA, or rollout.engine hf")
 
 
 class VLLMEngine:
@@ -128,13 +154,17 @@ class VLLMEngine:
     def __init__(self, model, tokenizer, *, dtype: str = "float32", max_model_len: int | None = None,
                  max_num_seqs: int = 256, seed: int = 0, gpu_memory_utilization: float = 0.5,
                  kv_cache_gb: float | None = None, sync_timeout: float = 120.0):
+        check_pushable(model)
         vllm = _import_vllm()
         self.model, self.tokenizer, self.sync_timeout = model, tokenizer, sync_timeout
         eos = tokenizer.eos_token_id
         self.eos_ids = sorted(set(eos if isinstance(eos, list) else [eos]))
         self.cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+        launched = torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1
         self._dir = tempfile.mkdtemp(prefix="exgrpo-vllm-")
-        self._stale = False
+        self._stale, self._wanted_version, self.weights_version = False, 0, 0
         try:
             config = self._write_model()
             limit = getattr(config, "max_position_embeddings", None) or 4096
@@ -142,6 +172,8 @@ class VLLMEngine:
             kwargs = dict(model=self._dir, dtype=dtype, seed=seed, max_model_len=self.max_model_len,
                           max_num_seqs=max_num_seqs, logprobs_mode="processed_logprobs", generation_config="vllm",
                           max_logprobs=1, disable_log_stats=True)
+            if launched:  # one engine per torchrun rank, on that rank's device
+                kwargs.update(distributed_executor_backend="external_launcher")
             if self.cuda:
                 kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
             else:
@@ -160,6 +192,7 @@ class VLLMEngine:
                         raise EngineError(f"vLLM cannot run {', '.join(config.architectures or ['this model'])}: "
                                           f"{str(e).splitlines()[-1].strip()[:300]}") from None
                     raise
+            self.placement = self._check_placement()
             self._check_runs()
         except BaseException:
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -180,6 +213,19 @@ class VLLMEngine:
         self.tokenizer.save_pretrained(self._dir)
         return base.config
 
+    def _check_placement(self) -> dict:
+        """The engine worker's {rank, local_rank, device}: under torchrun they must be this process's RANK,
+        LOCAL_RANK and device (an engine elsewhere would share another rank's GPU)."""
+        placement = self.llm.collective_rpc(_worker_placement)[0]
+        want = {"rank": int(os.environ.get("RANK", "0")), "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+                "device": str(self.device)}
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            if placement != want:
+                raise EngineError(f"the vLLM engine of rank {want['rank']} runs as {placement}, not on {want}")
+            print(f"exgrpo: rank {want['rank']}: vLLM engine on {placement['device']} (engine rank "
+                  f"{placement['rank']}, local rank {placement['local_rank']})", file=sys.stderr, flush=True)
+        return placement
+
     def _check_runs(self) -> None:
         """One token through the engine: an unsupported shape (e.g. a head size the CPU kernels lack) fails here."""
         try:
@@ -187,8 +233,8 @@ class VLLMEngine:
         except RuntimeError as e:
             raise EngineError(f"vLLM cannot run this model: {str(e).splitlines()[0][:300]}") from None
 
-    def sync_weights(self) -> None:
-        self._stale = True
+    def sync_weights(self, version: int = 0) -> None:
+        self._stale, self._wanted_version = True, version
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingSettings,
                  seeds: Sequence[int]) -> Rollouts:
@@ -225,6 +271,8 @@ class VLLMEngine:
     def _push(self) -> None:
         """Copy the policy's current weights into the engine (one push, `sync_timeout` at most)."""
         def push():
+            if self.cuda:  # a new thread starts on device 0
+                torch.cuda.set_device(self.device)
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(self.model),
                                                               "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()
@@ -238,7 +286,38 @@ class VLLMEngine:
                               f"{self.sync_timeout:g} s") from None
         finally:
             pool.shutdown(wait=False)
-        self._stale = False
+        self.verify_weights()
+        self._stale, self.weights_version = False, self._wanted_version
+
+    def verify_weights(self) -> None:
+        """Every engine weight must equal the policy's, cast to the engine's dtype (vLLM's fused q/k/v and gate/up
+        weights against the concatenation of the parts); checked after every push, so a push that loaded nothing,
+        or part of the weights, stops the run however small the update. Where the CPU backend keeps a linear
+        layer's weight packed in its GEMM handle (the parameter is empty), columns of it are read back exactly by
+        multiplying unit vectors through that handle."""
+        engine = self.llm.collective_rpc(_worker_model)[0]
+        packed = getattr(engine, "packed_modules_mapping", {})
+        policy = dict(policy_weights(self.model))
+        differ, checked = [], 0
+        for name, held in engine.named_parameters():
+            module, _, leaf = name.rpartition(".")
+            parent, _, kind = module.rpartition(".")
+            parts = [f"{parent}.{p}.{leaf}" for p in packed[kind]] if kind in packed else [name]
+            if not all(p in policy for p in parts):
+                continue
+            want = torch.cat([policy[p] for p in parts]) if len(parts) > 1 else policy[parts[0]]
+            want = want.to(device=held.device, dtype=held.dtype)
+            if held.numel() == 0 and hasattr(engine.get_submodule(module), "cpu_linear"):
+                held, want = _packed_columns(engine.get_submodule(module), want, seed=checked)
+            elif held.shape[0] > want.shape[0] and held.shape[1:] == want.shape[1:]:
+                held = held[: want.shape[0]]  # a vocabulary padded by vLLM
+            checked += 1
+            if not torch.equal(held, want):
+                differ.append(name)
+        if differ or not checked:
+            raise EngineError(f"the vLLM engine does not hold the trainer's weights: {len(differ)} of {checked} "
+                              f"checked tensors differ (e.g. {', '.join(differ[:3]) or 'none matched by name'}); "
+                              "a weight sync did not happen or did not load")
 
     def _wake(self) -> None:
         if self.cuda:
@@ -255,6 +334,28 @@ class VLLMEngine:
             del self.llm
             gc.collect()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _packed_columns(layer, want: torch.Tensor, seed: int, columns: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the engine's, the expected) values of `columns` input columns of a CPU linear layer whose (out, in) weight
+    lives packed in `layer.cpu_linear`: unit vectors through the GEMM give W[:, j] exactly (products with 1 and 0)."""
+    picked = torch.randperm(want.shape[1], generator=torch.Generator().manual_seed(seed))[:columns]
+    probe = torch.zeros(len(picked), want.shape[1], dtype=want.dtype)
+    probe[torch.arange(len(picked)), picked] = 1
+    return layer.cpu_linear(probe, layer.weight, None).t(), want[:, picked]
+
+
+def _worker_model(worker):
+    """Run inside the engine's worker (`collective_rpc`): its model, in this process."""
+    return worker.model_runner.get_model()
+
+
+def _worker_placement(worker) -> dict:
+    """Run inside the engine's worker (`collective_rpc`)."""
+    device = torch.device(worker.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return {"rank": worker.rank, "local_rank": worker.local_rank, "device": str(device)}
 
 
 def _kv_bytes_per_token(config, dtype: str) -> int:

@@ -10,10 +10,13 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+
+from exgrpo.errors import CheckpointError
 
 
 @dataclass(frozen=True)
@@ -99,3 +102,10 @@ def check_replicas(ctx: Distributed, step: int, buffer_fingerprint: str, model=N
         raise RuntimeError(f"data-parallel replicas diverged at step {step}: {hashes}")
     return {"replicas/buffer_hash": hashes[0][0], "replicas/param_hash": hashes[0][1],
             "replicas/count": float(len(hashes))}
+
+
+def require_on_every_rank(ctx: Distributed, path: Path) -> None:
+    """`path` must exist on every rank: a multi-node run resumes from storage every node shares."""
+    if not ctx.all_true(path.exists()):
+        raise CheckpointError(f"{path} is missing on some ranks: a multi-node run resumes from storage that every node "
+                              "shares (logging.output_dir on a shared file system)")

@@ -15,6 +15,7 @@ from typing import Callable, ContextManager, Sequence
 import numpy as np
 
 from exgrpo.config import ExGRPOConfig
+from exgrpo.errors import EngineError
 from exgrpo.records import Group, GroupRewards, Member
 from exgrpo.rewards.scorer import GroupScorer
 from exgrpo.rollout import RolloutEngine, SamplingSettings, derive_seed
@@ -105,8 +106,9 @@ class GenerationRounds:
                    weights=weights)
 
     def __call__(self, groups: list[Group], step: int, settle: Settle, refill: Refill,
-                 timer: StageTimer | None = None) -> GenerationResult:
-        """Generate for training step `step` (0-based: the steps done before this one)."""
+                 timer: StageTimer | None = None, weights_version: int | None = None) -> GenerationResult:
+        """Generate for training step `step` (0-based: the steps done before this one) from the policy at
+        `weights_version` (applied optimizer steps): an engine that reports another version is an error."""
         timer = timer or StageTimer()
         wanted, stats, asked = len(groups), Generation(), set()
         kept, kept_rewards, kept_correct = [], [], []
@@ -114,6 +116,7 @@ class GenerationRounds:
             sampled = len(groups) * self.K - sum(len(g.members) for g in groups)
             with timer("rollout"):
                 self.roll_out(groups, step, first_group=stats.groups)
+            self._check_version(weights_version)
             with timer("reward"):
                 rewards = self.scorer(groups, step + 1)
             correct = rewards.total >= self.success_threshold
@@ -135,6 +138,12 @@ class GenerationRounds:
         if not kept:
             return GenerationResult(groups, rewards, correct, stats)
         return GenerationResult(kept, GroupRewards.concat(kept_rewards), np.concatenate(kept_correct), stats)
+
+    def _check_version(self, wanted: int | None) -> None:
+        held = getattr(self.engine, "weights_version", None)
+        if wanted is not None and held is not None and held != wanted:
+            raise EngineError(f"the rollout engine sampled from weights version {held}, but the learner is at version "
+                              f"{wanted} (applied optimizer steps): a weight sync did not happen")
 
     def roll_out(self, groups: list[Group], step: int, first_group: int = 0) -> None:
         """Fill every group up to K members with fresh samples. Each rank samples its shard of the groups and every

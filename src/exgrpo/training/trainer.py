@@ -34,7 +34,7 @@ from exgrpo.config import ExGRPOConfig
 from exgrpo.data import PromptEncoder, Question, QuestionPool, drop_long_prompts
 from exgrpo.evaluation.contamination import screen_benchmark_questions
 from exgrpo.evaluation.heldout import Accuracy, evaluate_accuracy
-from exgrpo.experience import ExperienceBuffer, Trajectory, build_replay_policy, num_experiential, select_replays
+from exgrpo.experience import ExperienceBuffer, Trajectory, num_experiential, replay_policy_from_config, select_replays
 from exgrpo.learner.objective import group_advantages
 from exgrpo.learner.update import PolicyUpdate, loss_settings
 from exgrpo.models import save_model
@@ -46,7 +46,7 @@ from exgrpo.rollout import RolloutEngine, SamplingSettings, build_engine, derive
 from exgrpo.rollout.parity import ParityProbe
 from exgrpo.runtime.atomic import write_text_atomic
 from exgrpo.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from exgrpo.runtime.distributed import Distributed, check_replicas, init_distributed, shard
+from exgrpo.runtime.distributed import Distributed, check_replicas, init_distributed, require_on_every_rank, shard
 from exgrpo.runtime.rundir import claim_run_directory, lock_run_directory, unlock_run_directory
 from exgrpo.runtime.sharding import full_model_state, refuse_accelerate_fsdp
 from exgrpo.runtime.signals import StopRequest
@@ -97,10 +97,9 @@ class ExGRPOTrainer:
         self.pool = QuestionPool(train_dataset, c.train.seed, retirement=self.buffer)
         self.guidance = Guidance.from_config(c.guidance, train_dataset, tokenizer, r.max_completion_length)
         self.solved: set[str] = set()  # questions with a correct rollout of the policy's own (coverage, guidance)
-        self.replay_policy = build_replay_policy(e.policy, self.buffer, num_generations=self.K,
-                                                 scheme=e.bucket_scheme, sigma=e.bucket_sigma, mean=e.bucket_mean,
-                                                 retest_every=e.retest_every)
-        self.update = PolicyUpdate.from_config(model, c, self.dist, on_optimizer_step=self.engine.sync_weights)
+        self.replay_policy = replay_policy_from_config(e, self.buffer, self.K)
+        self.update = PolicyUpdate.from_config(
+            model, c, self.dist, on_optimizer_step=lambda: self.engine.sync_weights(self.update.weights_version))
         self.scorer = GroupScorer(reward_funcs, tokenizer, RewardHealth.from_config(c.reward),
                                   reward_weights=reward_weights, grading_pool=grading_pool, distributed=self.dist)
         self.generation = GenerationRounds.from_config(c, self.engine, self.scorer, distributed=self.dist,
@@ -129,7 +128,8 @@ class ExGRPOTrainer:
         fresh = self.pool.draw(c.train.prompts_per_step - len(experiential))
         groups = self.build_groups(experiential, fresh, phase, rng, timer)
         generated = self.generation(groups, self.step, self.settle,  # roll out, score, retire
-                                    lambda n, asked: self.refill(n, phase, rng, asked, timer), timer)
+                                    lambda n, asked: self.refill(n, phase, rng, asked, timer), timer,
+                                    weights_version=self.update.weights_version)
         groups, rewards, correct = generated.groups, generated.rewards, generated.correct
         batch = pack_groups(groups, self.tokenizer.pad_token_id)
         advantages = group_advantages(torch.tensor(rewards.total, dtype=torch.float32), c.objective.scale_rewards)
@@ -273,8 +273,8 @@ class ExGRPOTrainer:
                 self._run_step(tracker, on_step)
             if stop.requested and tracker:
                 tracker.print(f"[yellow]{stop.requested}: checkpointing at step {self.step} and exiting.")
-            latest = latest_checkpoint(c.logging.output_dir)
-            if latest is None or latest.name != f"step-{self.step:06d}":
+            latest = latest_checkpoint(c.logging.output_dir) if dp.is_main else None  # rank 0's disk decides
+            if dp.any_true(dp.is_main and (latest is None or latest.name != f"step-{self.step:06d}")):
                 self.save()
 
     def _run_step(self, tracker: Tracker | None, on_step: Callable[[int, dict], None] | None) -> None:
@@ -341,8 +341,9 @@ class ExGRPOTrainer:
     def resume(self, directory) -> None:
         """Continue from a checkpoint directory (exgrpo.runtime.checkpoint); the config must be the run's own (see
         `exgrpo.training.run.start_point`). Logged lines of later steps are dropped: they will be logged again."""
+        require_on_every_rank(self.dist, Path(directory))
         self.load_state_dict(load_checkpoint(directory, self.model))
         self._resumed = True
         if self.dist.is_main:
             truncate_metrics(self.config.logging.output_dir, self.step)
-        self.engine.sync_weights()
+        self.engine.sync_weights(self.update.weights_version)
