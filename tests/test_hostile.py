@@ -218,7 +218,7 @@ CASES = {  # name: (case, exit code, message on stderr)
                                                           "train.max_skipped_updates=1"), 2,
                                           "more than train.max_skipped_updates 1"),
     "grading timeouts": (grading_timeouts, 0, "grading failed for some completions (1 timeouts"),
-    "Ctrl-C while grading": (ctrl_c_while_grading, 0, "SIGINT: checkpointing at step"),
+    "Ctrl-C while grading": (ctrl_c_while_grading, 128 + signal.SIGINT, "SIGINT: checkpointing at step"),
     "unwritable output directory": (lambda d: train("/dev/null/run"), 2, "/dev/null/run: cannot write there"),
     "disk full while checkpointing": (disk_full_while_checkpointing, 2, "cannot write checkpoint"),
     "benchmark test questions as held-out data": (benchmark_questions_held_out, 2,

@@ -1,10 +1,11 @@
-"""`exgrpo train|demo --config F [section.field=value ...]`, `exgrpo eval --model M --benchmarks B ...` and
-`exgrpo experiment run|report STUDY`."""
+"""`exgrpo train|demo --config F [section.field=value ...]`, `exgrpo eval --model M --benchmarks B ...`,
+`exgrpo experiment run|report STUDY` and `exgrpo export RUN_OR_CHECKPOINT OUT [--merge]`."""
 
 from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import sys
 import time
 import warnings
@@ -37,7 +38,12 @@ def _train(args, overrides) -> int:
             run.trainer.resume(checkpoint)
             _note(f"resumed from {checkpoint} at step {run.trainer.step}")
         run.trainer.train()
-    return 0
+    return _stop_code(run.trainer.stopped_by)
+
+
+def _stop_code(signal_name: str | None) -> int:
+    """0 for a run that ended by itself; 128 + the signal's number (the shell's convention) for one asked to stop."""
+    return 128 + signal.Signals[signal_name].value if signal_name else 0
 
 
 def _note(message: str) -> None:
@@ -55,7 +61,7 @@ def _demo(args, overrides) -> int:
     # a demo always starts fresh: a previous demo run in its directory is replaced
     config = load_config(args.config, overrides + ["logging.overwrite=true"])
     console.print(f"[bold]exgrpo demo[/]: {config.model.name} on {config.data.train} (in {config.logging.output_dir})")
-    with prepared_run(config, resume=False) as (run, _):
+    with prepared_run(config, resume=False, log=_note) as (run, _):
         trainer = run.trainer
         console.print(f"evaluating {len(trainer.eval_dataset)} held-out questions × {config.eval.samples} samples ...")
         before = trainer.evaluate()
@@ -90,8 +96,12 @@ def _experiment(args) -> int:
 
     study = load_study(args.study)
     if args.action == "run":
-        run_study(study, arms=args.arms, seeds=args.seeds, log=lambda m: print(f"exgrpo experiment: {m}", flush=True))
-        return 0
+        stopped = run_study(study, arms=args.arms, seeds=args.seeds,
+                            log=lambda m: print(f"exgrpo experiment: {m}", flush=True))
+        if stopped:
+            _note(f"{stopped}: the study stopped after checkpointing the current run; continue it with `exgrpo "
+                  f"experiment run {args.study}`")
+        return _stop_code(stopped)
     from exgrpo.studies.report import write_study_report
 
     main_arms = args.main or [study.baseline]
@@ -103,6 +113,38 @@ def _experiment(args) -> int:
                           "--main arms are always reported)")
     print(write_study_report(study, args.output, main_arms, args.arms))
     return 0
+
+
+def _export(args) -> int:
+    """A standalone model directory from a run (its newest intact checkpoint) or a checkpoint."""
+    from exgrpo.models import export_policy
+    from exgrpo.runtime.checkpoint import latest_intact_checkpoint
+
+    source = Path(args.source)
+    if (source / "checkpoints").is_dir():
+        checkpoint = latest_intact_checkpoint(source)
+        if checkpoint is None:
+            raise ExgrpoError(f"{source}: no intact checkpoint to export")
+        source = checkpoint
+    if not (source / "model").is_dir():
+        raise ExgrpoError(f"{source}: neither a run directory with checkpoints nor a checkpoint (no model/ in it)")
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise ExgrpoError(f"{out} is not empty; pick another directory, or pass --overwrite")
+    export_policy(source / "model", out, merge=args.merge)
+    _note(f"exported {source} to {out}" + (" (LoRA merged)" if args.merge else ""))
+    return 0
+
+
+def _add_export_parser(sub) -> None:
+    p = sub.add_parser("export", help="a standalone HF model directory from a run or checkpoint",
+                       description="Write the newest intact checkpoint of RUN (or CHECKPOINT) as a model directory "
+                                   "that transformers, vLLM, lm-eval-harness and exgrpo eval load: weights, config, "
+                                   "tokenizer, chat template.")
+    p.add_argument("source", metavar="RUN_OR_CHECKPOINT")
+    p.add_argument("out", metavar="OUT")
+    p.add_argument("--merge", action="store_true", help="merge a LoRA adapter into its base (a plain model)")
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty OUT")
 
 
 def _add_experiment_parser(sub) -> None:
@@ -170,12 +212,18 @@ def main(argv: list[str] | None = None) -> int:
                            help="start a fresh run even if logging.output_dir holds another run (deletes it)")
     _add_eval_parser(sub)
     _add_experiment_parser(sub)
+    _add_export_parser(sub)
     args, overrides = parser.parse_known_args(argv)
     if args.command == "eval":
         if overrides:
             parser.error(f"unrecognized arguments: {' '.join(overrides)}")
         if args.samples is not None and args.samples < 1 or args.limit is not None and args.limit < 1:
             parser.error("--samples and --limit must be positive")
+        try:  # the sampling values `train` refuses, with its messages
+            load_config(None, [f"rollout.temperature={args.temperature}", f"rollout.top_p={args.top_p}",
+                               f"rollout.max_completion_length={args.max_new_tokens}"])
+        except ConfigError as e:
+            parser.error(f"--temperature, --top-p, --max-new-tokens: {e}")
         from exgrpo.evaluation.run import eval_command
 
         return eval_command(args, sys.argv[1:] if argv is None else argv)
@@ -183,10 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = lambda message, category, *rest: f"exgrpo: warning: {message}\n" \
         if issubclass(category, ExgrpoWarning) else library_format(message, category, *rest)
     try:
-        if args.command == "experiment":
+        if args.command in ("experiment", "export"):
             if overrides:
                 parser.error(f"unrecognized arguments: {' '.join(overrides)}")
-            return _experiment(args)
+            return _experiment(args) if args.command == "experiment" else _export(args)
         return {"train": _train, "demo": _demo}[args.command](args, overrides)
     except ConfigError as e:
         print(f"exgrpo: config error: {e}", file=sys.stderr)

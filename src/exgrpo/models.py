@@ -107,10 +107,21 @@ def load_policy(
     return model, tokenizer
 
 
-def save_policy(model: Any, tokenizer: Any, directory: str | os.PathLike) -> None:
-    """``save_pretrained`` the model (for a PEFT model: its adapter only) and the tokenizer into ``directory``."""
-    save_model(model, directory)
+def save_policy(model: Any, tokenizer: Any, directory: str | os.PathLike, state_dict: dict | None = None) -> None:
+    """``save_pretrained`` the model (for a PEFT model: its adapter only; from ``state_dict`` when given) and the
+    tokenizer with its chat template into ``directory``: what plain transformers, vLLM and `exgrpo eval` load."""
+    save_model(model, directory, state_dict)
     tokenizer.save_pretrained(str(directory))
+
+
+def export_policy(source: str | os.PathLike, out: str | os.PathLike, *, merge: bool = False) -> None:
+    """A standalone model directory at ``out`` from a saved policy (a checkpoint's ``model/``): weights, config,
+    tokenizer and chat template. With ``merge`` a LoRA adapter is merged into its base, so the result is a plain
+    transformers model; without it an adapter stays an adapter (peft's format, its base named inside)."""
+    model, tokenizer = load_policy(str(source))
+    if merge and hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    save_policy(model, tokenizer, out)
 
 
 def save_model(model: Any, directory: str | os.PathLike, state_dict: dict | None = None) -> None:
@@ -471,5 +482,6 @@ __all__ = [
     "find_smollm2_gguf",
     "load_policy",
     "save_model",
+    "export_policy",
     "save_policy",
 ]

@@ -117,7 +117,10 @@ def test_trl_schema_jsonl(tmp_path):
 def test_verl_parquet_and_directory(tmp_path):
     pq.write_table(pa.Table.from_pylist([verl_row(i) for i in range(3)]), tmp_path / "b.parquet")
     write_jsonl(tmp_path / "a.jsonl", [{"prompt": "x?", "answer": "1"}])
-    (tmp_path / "notes.txt").write_text("ignored")
+    (tmp_path / "notes.txt").write_text("not data")
+    with pytest.raises(DataError, match=r"1 of 3 files are neither .parquet nor .jsonl \(notes.txt\)"):
+        load_questions(str(tmp_path))  # read whole or refused: never a silent part
+    (tmp_path / "notes.txt").unlink()
     qs = load_questions(str(tmp_path))
     assert [q.id for q in qs] == ["a/0", "toy/0", "toy/1", "toy/2"]  # files sorted; data_source wins over stem
     assert qs[1].answer == "42" and qs[1].messages[0]["role"] == "system"

@@ -160,6 +160,7 @@ def _same_run(got, want):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("full_run")  # one worker computes the shared run
 def test_exgrpo_with_the_vllm_engine_switches_replays_and_resumes_exactly(tmp_path, full_run):
     run_dir, full = full_run
     assert [m["phase"] for m in full][1:] == ["mixed"] * 3 and full[-1]["experience/replayed"] > 0
@@ -175,6 +176,7 @@ def test_exgrpo_with_the_vllm_engine_switches_replays_and_resumes_exactly(tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("full_run")  # one worker computes the shared run
 def test_two_fsdp_ranks_with_one_engine_each_match_one_process(tmp_path, full_run):
     """Each rank's engine samples its shard of the groups; the push gathers the sharded LoRA policy."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m"]

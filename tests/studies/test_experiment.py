@@ -1,6 +1,11 @@
 """Multi-seed studies: runs, skip/resume bookkeeping, the shared before-training evaluation, the report."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -103,7 +108,9 @@ def test_interrupted_run_resumes_and_report_waits_for_it(tmp_path):
         load_results(study)
     messages = []
     run_study(study, log=messages.append)
-    assert messages == ["grpo seed 1: resuming at step 2"]
+    assert messages[0].startswith("grpo seed 1: data.train reasoning_gym:basic_arithmetic") and "64 questions" in \
+        messages[0]
+    assert messages[1:] == ["grpo seed 1: resuming at step 2"]
     assert [json.loads(x)["reward"] for x in metrics.read_text().splitlines()] == \
         [json.loads(x)["reward"] for x in full]
 
@@ -152,3 +159,24 @@ def test_curves_of_runs_that_end_at_different_steps_align():
     assert np.allclose(rows, [[0.1, 0.5, 1.0, 1.0], [0.2, 0.6, 0.64, 0.8]])
     _, rows = _aligned([short, long], carry=False)  # training metrics: nothing after a run's last step
     assert np.isnan(rows[0, 3]) and np.isnan(rows[1, 2]) and rows[1, 3] == 0.8
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_whole_study_after_checkpointing_the_current_run(tmp_path):
+    path = _study(tmp_path, arms={"grpo": {"overrides": ["experience.ratio=0"]}}, overrides=[
+        "train.steps=400", "train.save_every=0", "eval.every=0", "logging.progress=false"])
+    proc = subprocess.Popen([sys.executable, "-m", "exgrpo", "experiment", "run", str(path)], cwd=ROOT,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "runs" / "grpo" / "seed-1" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 1):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert f"SIGTERM: the study stopped after checkpointing the current run; continue it with `exgrpo experiment " \
+           f"run {path}`" in err
+    assert completed_steps(tmp_path / "runs" / "grpo" / "seed-1") >= 1  # checkpointed where it stopped
+    assert not (tmp_path / "runs" / "grpo" / "seed-2").exists()  # the next run never started

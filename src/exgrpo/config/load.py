@@ -120,14 +120,37 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
     return pairs
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key given twice in one mapping is an error (YAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(f"{self.name}: key {key!r} appears twice in one mapping (lines {seen[key] + 1} and "
+                                  f"{key_node.start_mark.line + 1}); remove one")
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: Path, what: str):
-    """The parsed YAML of `path`; a missing file or invalid YAML is a ConfigError naming it."""
+    """The parsed YAML of `path`; a missing file, invalid YAML, a key given twice or bytes that are not UTF-8 are a
+    ConfigError naming the file (and the line)."""
     if not path.is_file():
         raise ConfigError(f"{what} {path} does not exist")
     try:
-        return yaml.safe_load(path.read_text())
+        loader = _UniqueKeyLoader(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise ConfigError(f"{path} line {line}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    loader.name = str(path)
+    try:
+        return loader.get_single_data()
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    finally:
+        loader.dispose()
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,

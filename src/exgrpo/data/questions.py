@@ -49,11 +49,11 @@ class Question:
 
 
 class QuestionSet(list):
-    """A list of questions that also records how many invalid rows were skipped."""
+    """A list of questions that also records how many invalid rows were skipped and how many files were read."""
 
-    def __init__(self, questions: Iterable[Question] = (), skipped: int = 0):
+    def __init__(self, questions: Iterable[Question] = (), skipped: int = 0, files: int = 0):
         super().__init__(questions)
-        self.skipped = skipped
+        self.skipped, self.files = skipped, files
 
 
 class _Row(NamedTuple):
@@ -84,19 +84,33 @@ def load_questions(
         return _load_reasoning_gym(source, limit, prompt_suffix)
     path = Path(source).expanduser()
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in _FILE_SUFFIXES)
-        if not files:
-            raise DataError(f"{source}: directory has no .parquet or .jsonl files")
+        files = _data_files(path)
         rows = (row for f in files for row in _read_file(f))
     elif path.is_file():
-        if path.suffix not in _FILE_SUFFIXES:
+        if path.suffix.lower() not in _FILE_SUFFIXES:
             raise DataError(f"{source}: unsupported file type {path.suffix!r} (expected .parquet or .jsonl)")
-        rows = _read_file(path)
+        files, rows = [path], _read_file(path)
     elif path.suffix in _FILE_SUFFIXES or source.startswith((".", "/", "~")):
         raise FileNotFoundError(f"data file or directory not found: {source}")
     else:
-        rows = _read_hf(source, split)
-    return _build(rows, source, limit, skip_invalid, prompt_suffix)
+        files, rows = [], _read_hf(source, split)
+    questions = _build(rows, source, limit, skip_invalid, prompt_suffix)
+    questions.files = len(files)
+    return questions
+
+
+def _data_files(directory: Path) -> list[Path]:
+    """Every file below `directory` (recursively; extensions in any case), all of them .parquet or .jsonl: a file it
+    could not read is named with the reason, never left out silently."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file())
+    unread = [p for p in files if p.suffix.lower() not in _FILE_SUFFIXES]
+    if unread:
+        names = ", ".join(str(p.relative_to(directory)) for p in unread[:5]) + (" ..." if len(unread) > 5 else "")
+        raise DataError(f"{directory}: {len(unread)} of {len(files)} files are neither .parquet nor .jsonl ({names}); "
+                        "a data directory is read whole: move them out, or name the files to read")
+    if not files:
+        raise DataError(f"{directory}: directory has no .parquet or .jsonl files")
+    return files
 
 
 def _build(rows: Iterator[_Row], source: str, limit: int | None, skip_invalid: bool, suffix: str) -> QuestionSet:
@@ -133,7 +147,7 @@ def _build(rows: Iterator[_Row], source: str, limit: int | None, skip_invalid: b
 
 
 def _read_file(path: Path) -> Iterator[_Row]:
-    if path.suffix == ".jsonl":
+    if path.suffix.lower() == ".jsonl":
         yield from _read_jsonl(path)
     else:
         yield from _read_parquet(path)
@@ -141,8 +155,13 @@ def _read_file(path: Path) -> Iterator[_Row]:
 
 def _read_jsonl(path: Path) -> Iterator[_Row]:
     index = 0
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path} line {line_no}: not UTF-8 text ({e.reason} at byte {e.start} of the "
+                                "line)") from None
             if not line.strip():  # blank lines (e.g. a trailing one) are not rows
                 continue
             where = f"{path} row {index} (line {line_no})"

@@ -1,7 +1,8 @@
 """Atomic checkpoints that restore everything a run needs to continue exactly.
 
 A checkpoint is a directory `checkpoints/step-NNNNNN/` holding:
-* `model/`: `save_pretrained` output (full weights, or the adapter for LoRA), loadable by `exgrpo eval --model`;
+* `model/`: `save_pretrained` output (full weights, or the adapter for LoRA) with the tokenizer and its chat
+  template, loadable by `exgrpo eval --model`, plain transformers and (full weights) vLLM;
 * `optimizer.pt`: the trainer state's `optimizer` part (optimizer, scheduler) and the torch RNG state;
 * `buffer.safetensors`: the experience buffer (arrays + JSON metadata);
 * `trainer.json`: the trainer state's `trainer` part (step, phase, question-pool cursor, counters, resolved
@@ -34,16 +35,22 @@ from exgrpo.runtime.sharding import is_sharded, load_full_model_state
 
 _PREFIX = "step-"
 _MANIFEST = "manifest.json"
+_CONTENTS = ("model", "optimizer.pt", "buffer.safetensors", "trainer.json")  # besides the manifest
 _SCRATCH = (".tmp-", ".deleting-")  # a checkpoint being written / being deleted
+
+
+def step_dirs(run_dir: str | Path) -> list[Path]:
+    """Every checkpoint directory of a run (step-NNNNNN, with or without a manifest), oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX):].isdigit()]
+    return sorted(found, key=checkpoint_step)
 
 
 def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
     """Checkpoints of a run that were completely written (they have a manifest), oldest first."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and (p / _MANIFEST).is_file()]
-    return sorted(found, key=checkpoint_step)
+    return [p for p in step_dirs(run_dir) if (p / _MANIFEST).is_file()]
 
 
 def checkpoint_step(checkpoint: Path) -> int:
@@ -76,11 +83,21 @@ def verify_checkpoint(directory: str | Path) -> str | None:
 
 
 def latest_intact_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest checkpoint that passes `verify_checkpoint`; each newer broken one is reported as a warning."""
-    for checkpoint in reversed(checkpoint_dirs(run_dir)):
-        problem = verify_checkpoint(checkpoint)
-        if problem is None:
-            return checkpoint
+    """The newest checkpoint that passes `verify_checkpoint`, or that has no manifest but every file a checkpoint
+    holds (unverified: written before manifests existed; resumed from with a warning). Each newer checkpoint
+    passed over is reported as a warning naming it and why."""
+    for checkpoint in reversed(step_dirs(run_dir)):
+        if not (checkpoint / _MANIFEST).is_file():
+            missing = [name for name in _CONTENTS if not (checkpoint / name).exists()]
+            if not missing:
+                warnings.warn(ExgrpoWarning(f"checkpoint {checkpoint.name} has no {_MANIFEST}: resuming from it "
+                                            "unverified"), stacklevel=2)
+                return checkpoint
+            problem = f"no {_MANIFEST} and no {', '.join(missing)}"
+        else:
+            problem = verify_checkpoint(checkpoint)
+            if problem is None:
+                return checkpoint
         warnings.warn(ExgrpoWarning(f"skipping checkpoint {checkpoint.name}: {problem}"), stacklevel=2)
     return None
 
@@ -151,7 +168,7 @@ def load_checkpoint(directory: str | Path, model) -> dict:
     """Verify checkpoint `directory`, load its weights into `model`, restore the global RNGs, and return the
     trainer state to pass to `ExGRPOTrainer.load_state_dict`."""
     directory = Path(directory)
-    problem = verify_checkpoint(directory)
+    problem = verify_checkpoint(directory) if (directory / _MANIFEST).is_file() else None  # else: unverified
     if problem is not None:
         raise CheckpointError(f"checkpoint {directory} is not intact: {problem}")
     trainer = read_trainer_json(directory)

@@ -139,8 +139,10 @@ def completed_steps(run_dir: Path) -> int:
 
 
 def run_study(study: Study, arms: list[str] | None = None, seeds: list[int] | None = None,
-              log: Callable[[str], None] = print) -> None:
-    """Train every selected (arm, seed) run that has not reached its last step, resuming from its checkpoint."""
+              log: Callable[[str], None] = print) -> str | None:
+    """Train every selected (arm, seed) run that has not reached its last step, resuming from its checkpoint.
+    A SIGINT/SIGTERM stops the whole study once the current run has checkpointed; returns that signal's name (None
+    when every run ended by itself)."""
     from exgrpo.training.run import prepared_run
 
     selected = [study.arm(a) for a in arms] if arms else list(study.arms)
@@ -153,6 +155,7 @@ def run_study(study: Study, arms: list[str] | None = None, seeds: list[int] | No
             if run_complete(study.run_dir(arm, seed), config.train.steps):
                 log(f"{arm.name} seed {seed}: complete ({done} steps), skipped")
                 continue
+
             def note(message: str, arm=arm, seed=seed) -> None:
                 log(f"{arm.name} seed {seed}: {message}")
 
@@ -169,6 +172,9 @@ def run_study(study: Study, arms: list[str] | None = None, seeds: list[int] | No
                     write_text_atomic(initial, json.dumps(summary))
                     note(f"before training {accuracy}")
                 run.trainer.train()
+                if run.trainer.stopped_by:
+                    return run.trainer.stopped_by
+    return None
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from exgrpo.runtime.checkpoint import checkpoint_dirs, latest_intact_checkpoint, read_trainer_json
+from exgrpo.runtime.checkpoint import latest_intact_checkpoint, read_trainer_json, step_dirs
 from exgrpo.config import ConfigError, ExGRPOConfig, config_changes
 from exgrpo.data import load_questions, split_holdout
 from exgrpo.runtime.distributed import launched_rank
@@ -48,17 +48,20 @@ def build_reward_funcs(config: ExGRPOConfig, pool: GradingPool) -> list:
     return [ReasoningGymReward(pool=pool)]
 
 
-def build_run(config: ExGRPOConfig) -> Run:
-    """Load the questions (benchmark questions screened before the model loads), the model and the rewards."""
+def build_run(config: ExGRPOConfig, log: Callable[[str], None] = print) -> Run:
+    """Load the questions (benchmark questions screened before the model loads; what was read is logged), the
+    model and the rewards."""
     c = config
     torch.manual_seed(c.train.seed)
     questions = load_questions(c.data.train, split=c.data.split, limit=c.data.limit, skip_invalid=c.data.skip_invalid,
                                prompt_suffix=c.data.prompt_suffix)
+    log(_loaded("data.train", c.data.train, questions))
     questions = screen_benchmark_questions(questions, c.data.benchmark_overlap, f"data.train {c.data.train}",
                                            c.data.prompt_suffix)
     train, holdout = split_holdout(questions, c.data.holdout, c.train.seed) if c.data.holdout else (list(questions), [])
     if c.data.eval:
         holdout = load_questions(c.data.eval, skip_invalid=c.data.skip_invalid, prompt_suffix=c.data.prompt_suffix)
+        log(_loaded("data.eval", c.data.eval, holdout))
         holdout = screen_benchmark_questions(holdout, c.data.benchmark_overlap, f"data.eval {c.data.eval}",
                                              c.data.prompt_suffix)
     model, tokenizer = load_policy(c.model.name, dtype=c.model.dtype, lora=c.model.lora)
@@ -66,6 +69,12 @@ def build_run(config: ExGRPOConfig) -> Run:
     reward_funcs = build_reward_funcs(c, pool)
     trainer = ExGRPOTrainer(model, tokenizer, reward_funcs, c, train, eval_dataset=holdout, grading_pool=pool)
     return Run(c, trainer, pool)
+
+
+def _loaded(field: str, source: str, questions) -> str:
+    files = f" from {questions.files} file{'s' * (questions.files != 1)}" if questions.files else ""
+    skipped = f" ({questions.skipped} invalid rows skipped)" if questions.skipped else ""
+    return f"{field} {source}: {len(questions)} questions{files}{skipped}"
 
 
 def start_point(config: ExGRPOConfig, resume: bool, log: Callable[[str], None] = print
@@ -89,7 +98,7 @@ def start_point(config: ExGRPOConfig, resume: bool, log: Callable[[str], None] =
         raise ConfigError("--resume and logging.overwrite (--overwrite) contradict each other")
     checkpoint = latest_intact_checkpoint(directory)
     if checkpoint is None:
-        if checkpoint_dirs(directory):
+        if step_dirs(directory):
             raise CheckpointError(f"{directory}: no intact checkpoint to resume from (see the warnings above); "
                                   "restore one, or start over with --overwrite")
         if holds_a_run(directory):
@@ -113,7 +122,7 @@ def prepared_run(config: ExGRPOConfig, resume: bool, log: Callable[[str], None] 
     locked until the block ends, then the engine and grading pool are closed and the lock released."""
     try:
         config, checkpoint = start_point(config, resume, log)
-        run = build_run(config)
+        run = build_run(config, log)
         try:
             yield run, checkpoint
         finally:

@@ -37,7 +37,7 @@ from exgrpo.evaluation.heldout import Accuracy, evaluate_accuracy
 from exgrpo.experience import ExperienceBuffer, Trajectory, num_experiential, replay_policy_from_config, select_replays
 from exgrpo.learner.objective import group_advantages
 from exgrpo.learner.update import PolicyUpdate, loss_settings
-from exgrpo.models import save_model
+from exgrpo.models import save_policy
 from exgrpo.records import MIXED, WARMUP, Group
 from exgrpo.rewards import GradingPool
 from exgrpo.rewards.health import RewardHealth
@@ -105,7 +105,7 @@ class ExGRPOTrainer:
         self.generation = GenerationRounds.from_config(c, self.engine, self.scorer, distributed=self.dist,
                                                        weights=self.update.rollout_weights)
         self.parity = ParityProbe.from_config(c)
-        self.phase, self.step, self._resumed = WARMUP, 0, False
+        self.phase, self.step, self._resumed, self.stopped_by = WARMUP, 0, False, None
         self.history: list[dict] = []
         self.last_step: StepRecord | None = None
         self.last_evaluation: Accuracy | None = None  # the latest periodic evaluation
@@ -271,6 +271,7 @@ class ExGRPOTrainer:
                                       f"stopping at step {self.step}.")
                     break
                 self._run_step(tracker, on_step)
+            self.stopped_by = stop.requested  # None: the run ended by itself
             if stop.requested and tracker:
                 tracker.print(f"[yellow]{stop.requested}: checkpointing at step {self.step} and exiting.")
             latest = latest_checkpoint(c.logging.output_dir) if dp.is_main else None  # rank 0's disk decides
@@ -334,7 +335,7 @@ class ExGRPOTrainer:
         weights = full_model_state(self.model) if self.update.sharded else None
         if self.dist.is_main:
             save_checkpoint(self.config.logging.output_dir, self.step,
-                            lambda directory: save_model(self.model, directory, weights),
+                            lambda directory: save_policy(self.model, self.tokenizer, directory, weights),
                             state, self.config.train.save_total_limit)
         self.dist.barrier()
 

@@ -1,0 +1,136 @@
+"""What a run leaves is usable elsewhere and its inputs are read whole or refused (through the CLI, in-process):
+checkpoints load with plain transformers, `exgrpo export`, unverified checkpoints, duplicate YAML keys, non-UTF-8
+configs, eval's sampling values."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_cli
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from exgrpo.models import load_policy
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--config", str(ROOT / "configs" / "tiny.yaml"), "logging.progress=false", "train.threads=1"]
+
+
+def _train(run_dir, *extra):
+    result = run_cli(["train", *TINY, "train.steps=1", f"logging.output_dir={run_dir}", *extra])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir / "checkpoints" / "step-000001"
+
+
+def _logits(model, ids=((3, 4, 5, 6),)):
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits
+
+
+def test_a_full_fine_tuning_checkpoint_loads_with_plain_transformers_and_exports(tmp_path):
+    checkpoint = _train(tmp_path / "run")
+    model = AutoModelForCausalLM.from_pretrained(checkpoint / "model")
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint / "model")
+    assert "assistant" in tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                                        add_generation_prompt=True)
+    out = tmp_path / "export"
+    done = run_cli(["export", str(tmp_path / "run"), str(out)])
+    assert done.returncode == 0 and "exported" in done.stderr, done.stderr
+    assert torch.equal(_logits(AutoModelForCausalLM.from_pretrained(out)), _logits(model))
+    assert AutoTokenizer.from_pretrained(out).chat_template == tokenizer.chat_template
+    again = run_cli(["export", str(tmp_path / "run"), str(out)])
+    assert again.returncode == 2 and f"{out} is not empty" in again.stderr
+
+
+def test_a_lora_run_exports_merged_into_a_plain_model(tmp_path):
+    checkpoint = _train(tmp_path / "run", "model.lora.r=4", "model.lora.alpha=8")
+    adapter, _ = load_policy(str(checkpoint / "model"))
+    out = tmp_path / "merged"
+    assert run_cli(["export", str(checkpoint), str(out), "--merge"]).returncode == 0
+    assert not (out / "adapter_config.json").exists()
+    torch.testing.assert_close(_logits(AutoModelForCausalLM.from_pretrained(out)), _logits(adapter))
+
+
+def test_a_checkpoint_without_a_manifest_is_resumed_unverified_not_deleted(tmp_path):
+    run = tmp_path / "run"
+    checkpoint = _train(run)
+    (checkpoint / "manifest.json").unlink()  # as checkpoints written before manifests
+    resumed = run_cli(["train", "--resume", str(run), "train.steps=2"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "has no manifest.json: resuming from it unverified" in resumed.stderr
+    assert "resumed from" in resumed.stderr and (run / "checkpoints" / "step-000002").is_dir()
+    shutil.rmtree(run / "checkpoints" / "step-000002")
+    (checkpoint / "optimizer.pt").unlink()
+    broken = run_cli(["train", "--resume", str(run), "train.steps=2"])
+    assert broken.returncode == 2 and "no intact checkpoint to resume from" in broken.stderr
+    assert "no manifest.json and no optimizer.pt" in broken.stderr and checkpoint.is_dir()  # nothing deleted
+
+
+@pytest.mark.parametrize("text, message", [
+    ("train:\n  steps: 3\nrollout:\n  num_generations: 4\ntrain:\n  steps: 5\n",
+     "key 'train' appears twice in one mapping (lines 1 and 5)"),
+    ("train:\n  steps: 3\n  steps: 4\n", "key 'steps' appears twice in one mapping (lines 2 and 3)"),
+])
+def test_a_key_given_twice_in_a_config_is_an_error_naming_both_lines(tmp_path, text, message):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    result = run_cli(["train", "--config", str(path)])
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_a_config_that_is_not_utf8_names_the_file_and_line(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_bytes(b"train:\n  steps: 3\n# caf\xe9\n")
+    result = run_cli(["train", "--config", str(path)])
+    assert result.returncode == 2 and f"{path} line 3: not UTF-8 text" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--temperature", "0"], "rollout.temperature must be > 0"),
+    (["--temperature", "-1"], "rollout.temperature must be > 0"),
+    (["--top-p", "-1"], "rollout.top_p must be in (0, 1]"),
+    (["--max-new-tokens", "0"], "rollout.max_completion_length must be >= 1"),
+])
+def test_eval_refuses_the_sampling_values_train_refuses(flags, message):
+    result = run_cli(["eval", "--model", "tiny", *flags])
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def _rows(path, n, start=0):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"prompt": [f"What is {i} + 1?" for i in range(start, start + n)],
+                      "answer": [str(i + 1) for i in range(start, start + n)]})
+    if path.suffix.lower() == ".jsonl":
+        path.write_text("".join(f'{{"prompt": "What is {i} + 1?", "answer": "{i + 1}"}}\n'
+                                for i in range(start, start + n)))
+    else:
+        pq.write_table(table, path)
+
+
+def test_a_data_directory_is_read_whole_or_refused_naming_each_file(tmp_path):
+    from exgrpo.data import load_questions
+
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    for name, n in (("a.parquet", 10), ("sub/b.parquet", 20), ("C.PARQUET", 5), ("f.JSONL", 15)):
+        _rows(data / name, n, start=100 * n)
+    (data / "d.json").write_text("[]")
+    (data / "e.csv").write_text("prompt,answer\n")
+    refused = run_cli(["train", *TINY, f"data.train={data}", f"logging.output_dir={tmp_path / 'run'}"])
+    assert refused.returncode == 2 and "2 of 6 files are neither .parquet nor .jsonl (d.json, e.csv)" in refused.stderr
+    (data / "d.json").unlink()
+    (data / "e.csv").unlink()
+    questions = load_questions(str(data))
+    assert len(questions) == 50 and questions.files == 4  # every row of every file, subdirectories included
+    done = run_cli(["train", *TINY, f"data.train={data}", "data.holdout=0", "train.steps=1",
+                    f"logging.output_dir={tmp_path / 'run'}"])
+    assert done.returncode == 0 and f"data.train {data}: 50 questions from 4 files" in done.stderr, done.stderr
+
+
+def test_a_jsonl_file_that_is_not_utf8_names_the_file_and_line(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(b'{"prompt": "What is 1 + 1?", "answer": "2"}\n{"prompt": "caf\xe9", "answer": "1"}\n')
+    result = run_cli(["train", *TINY, f"data.train={path}", f"logging.output_dir={tmp_path / 'run'}"])
+    assert result.returncode == 2 and f"{path} line 2: not UTF-8 text" in result.stderr, result.stderr
