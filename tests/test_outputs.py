@@ -134,3 +134,10 @@ def test_a_jsonl_file_that_is_not_utf8_names_the_file_and_line(tmp_path):
     path.write_bytes(b'{"prompt": "What is 1 + 1?", "answer": "2"}\n{"prompt": "caf\xe9", "answer": "1"}\n')
     result = run_cli(["train", *TINY, f"data.train={path}", f"logging.output_dir={tmp_path / 'run'}"])
     assert result.returncode == 2 and f"{path} line 2: not UTF-8 text" in result.stderr, result.stderr
+
+
+def test_the_demo_reports_a_run_whose_buffer_stays_empty(tmp_path):
+    out = tmp_path / "demo"
+    result = run_cli(["demo", *TINY, "experience.ratio=0", "train.steps=1", f"logging.output_dir={out}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (out / "buckets.png").stat().st_size > 1000 and "| steps | 1 |" in (out / "report.md").read_text()

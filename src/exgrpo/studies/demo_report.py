@@ -25,8 +25,10 @@ def before_after_rows(before: Accuracy, after: Accuracy) -> list[tuple[str, str]
 
 def _plot(path: Path, series: dict[str, tuple[list, list]], title: str, ylabel: str, kind: str = "line") -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    if kind == "stack":
-        steps = next(iter(series.values()))[0] if series else []
+    if kind == "stack" and not series:  # e.g. a buffer that never held a question
+        ax.text(0.5, 0.5, "nothing to show", ha="center", va="center", transform=ax.transAxes)
+    elif kind == "stack":
+        steps = next(iter(series.values()))[0]
         ax.stackplot(steps, *[v for _, v in series.values()], labels=list(series))
     else:
         for label, (x, y) in series.items():
