@@ -192,7 +192,7 @@ class VLLMEngine:
                         raise EngineError(f"vLLM cannot run {', '.join(config.architectures or ['this model'])}: "
                                           f"{str(e).splitlines()[-1].strip()[:300]}") from None
                     raise
-            self.placement = self._check_placement()
+            self.placement = self._check_placement(launched)
             self._check_runs()
         except BaseException:
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -213,13 +213,13 @@ class VLLMEngine:
         self.tokenizer.save_pretrained(self._dir)
         return base.config
 
-    def _check_placement(self) -> dict:
-        """The engine worker's {rank, local_rank, device}: under torchrun they must be this process's RANK,
-        LOCAL_RANK and device (an engine elsewhere would share another rank's GPU)."""
+    def _check_placement(self, launched: bool) -> dict:
+        """The engine worker's {rank, local_rank, device}: under torchrun (`launched`) they must be this process's
+        RANK, LOCAL_RANK and device (an engine elsewhere would share another rank's GPU)."""
         placement = self.llm.collective_rpc(_worker_placement)[0]
         want = {"rank": int(os.environ.get("RANK", "0")), "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
                 "device": str(self.device)}
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        if launched:
             if placement != want:
                 raise EngineError(f"the vLLM engine of rank {want['rank']} runs as {placement}, not on {want}")
             print(f"exgrpo: rank {want['rank']}: vLLM engine on {placement['device']} (engine rank "
