@@ -297,23 +297,25 @@ class VLLMEngine:
         multiplying unit vectors through that handle."""
         engine = self.llm.collective_rpc(_worker_model)[0]
         packed = getattr(engine, "packed_modules_mapping", {})
-        policy = dict(policy_weights(self.model))
-        differ, checked = [], 0
-        for name, held in engine.named_parameters():
+        slots = {}  # policy name -> (engine name, position among the fused parts, number of parts)
+        for name, _ in engine.named_parameters():
             module, _, leaf = name.rpartition(".")
             parent, _, kind = module.rpartition(".")
             parts = [f"{parent}.{p}.{leaf}" for p in packed[kind]] if kind in packed else [name]
-            if not all(p in policy for p in parts):
+            slots.update({part: (name, i, len(parts)) for i, part in enumerate(parts)})
+        held, pending, differ, checked = dict(engine.named_parameters()), {}, [], 0
+        for policy_name, tensor in policy_weights(self.model):  # streamed: one fused group held at a time
+            if policy_name not in slots:
                 continue
-            want = torch.cat([policy[p] for p in parts]) if len(parts) > 1 else policy[parts[0]]
-            want = want.to(device=held.device, dtype=held.dtype)
-            if held.numel() == 0 and hasattr(engine.get_submodule(module), "cpu_linear"):
-                held, want = _packed_columns(engine.get_submodule(module), want, seed=checked)
-            elif held.shape[0] > want.shape[0] and held.shape[1:] == want.shape[1:]:
-                held = held[: want.shape[0]]  # a vocabulary padded by vLLM
-            checked += 1
-            if not torch.equal(held, want):
-                differ.append(name)
+            name, i, n = slots[policy_name]
+            parts = pending.setdefault(name, {})
+            parts[i] = tensor
+            if len(parts) == n:
+                want = torch.cat([parts[j] for j in range(n)]) if n > 1 else parts[0]
+                del pending[name]
+                if not _holds(engine, name, held[name], want, seed=checked):
+                    differ.append(name)
+                checked += 1
         if differ or not checked:
             raise EngineError(f"the vLLM engine does not hold the trainer's weights: {len(differ)} of {checked} "
                               f"checked tensors differ (e.g. {', '.join(differ[:3]) or 'none matched by name'}); "
@@ -334,6 +336,18 @@ class VLLMEngine:
             del self.llm
             gc.collect()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _holds(engine, name: str, held: torch.Tensor, want: torch.Tensor, seed: int) -> bool:
+    """Whether engine parameter `name` (`held`) equals `want` cast to its dtype: read back from the GEMM handle
+    where the CPU backend packed it, and within vLLM's padding of a vocabulary."""
+    want = want.to(device=held.device, dtype=held.dtype)
+    layer = engine.get_submodule(name.rpartition(".")[0])
+    if held.numel() == 0 and hasattr(layer, "cpu_linear"):
+        held, want = _packed_columns(layer, want, seed=seed)
+    elif held.shape[0] > want.shape[0] and held.shape[1:] == want.shape[1:]:
+        held = held[: want.shape[0]]
+    return torch.equal(held, want)
 
 
 def _packed_columns(layer, want: torch.Tensor, seed: int, columns: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
