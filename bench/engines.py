@@ -1,15 +1,20 @@
-"""Rollout engines side by side: seconds per training step and rollout tokens/s of the `hf` engine vs the `vllm` engine
-(fp32, and bf16 with the truncated-IS correction) on the demo setting, interleaved; and evaluation throughput.
+"""Rollout engines and training precisions side by side on the demo setting: seconds per step, its stages, rollout
+tokens/s, and the step's compute bound on this machine; then rollout throughput at a longer completion length.
 
     .venv-vllm/bin/python bench/engines.py                    # needs the vLLM venv (make test-vllm creates it)
-    .venv-vllm/bin/python bench/engines.py --rounds 6 --eval-questions 16
+    .venv-vllm/bin/python bench/engines.py --rounds 4 --settings hf-fp32 vllm-bf16-bf16 --long-questions 16
 
 Demo setting (configs/demo.yaml): SmolLM2-135M-Instruct + LoRA r32, 6 questions x 8 rollouts, <= 24 new tokens,
-math-verify reward in 2 workers, one optimizer step per step, fp32 training. Each engine gets its own trainer
-(same weights, same seeds) and the trainers take turns, one step each per round; the first round (vLLM's kernel
-JIT, the first weight push) is discarded and medians over the rest are reported. Eval: the first N MATH-500
-questions, 1 sample each at T = 0.6 with up to 256 new tokens, through `exgrpo.evaluation.evaluate_questions`.
-One JSON line per measurement.
+math-verify reward in 2 workers, one optimizer step per step, GRPO (experience.ratio=0). Settings: the engine (hf:
+the trainer's own forward; vllm) x the engine's precision x the trainer's (`train.dtype`). Each setting gets its
+own trainer (same weights, same seeds) and the trainers take turns, one step each per round; the first round (vLLM's
+kernel JIT, the first weight push) is discarded and medians over the rest are reported.
+
+The bound: the step's matmul FLOPs at this machine's measured matmul rate for the precision (a 1024^3 matmul,
+timed here): rollout 2 P (prompt tokens once per group + completion tokens), update 4 P (the same tokens; LoRA:
+the frozen weights need activation gradients only), P = the model's parameters; the selection forward of ExGRPO is
+not in a GRPO step. Long: the first N MATH-500 questions, 1 sample each at T = 0.6 with up to 256 new tokens,
+through `exgrpo.evaluation.evaluate_questions`, per engine and precision. One JSON line per measurement.
 """
 
 from __future__ import annotations
@@ -24,25 +29,52 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import torch  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_DATA = ROOT.parent / "shared" / "data" / "benchmarks"
-ENGINES = {"hf": ["rollout.engine=hf"],
-           "vllm-fp32": ["rollout.engine=vllm", "rollout.max_model_len=256", "rollout.generation_batch_size=48"],
-           "vllm-bf16": ["rollout.engine=vllm", "rollout.engine_dtype=bfloat16", "rollout.max_model_len=256",
-                         "rollout.generation_batch_size=48"]}
+_VLLM = ["rollout.engine=vllm", "rollout.max_model_len=256", "rollout.generation_batch_size=48"]
+SETTINGS = {"hf-fp32": ["rollout.engine=hf"],
+            "hf-bf16": ["rollout.engine=hf", "train.dtype=bf16"],
+            "vllm-fp32": _VLLM,
+            "vllm-bf16-fp32": _VLLM + ["rollout.engine_dtype=bfloat16"],  # a bf16 engine, an fp32 trainer (TIS)
+            "vllm-bf16-bf16": _VLLM + ["train.dtype=bf16"]}  # engine_dtype auto follows the trainer: bf16
 
 
 def out(record: dict) -> None:
     print(json.dumps(record), flush=True)
 
 
-def step_times(rounds: int) -> None:
+def matmul_gflops(dtype: torch.dtype, n: int = 1024, repeats: int = 20) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e9
+
+
+def step_bound(run, gflops: dict) -> dict:
+    """The step's matmul FLOPs (see the module docstring) and the seconds they take at the measured rate."""
+    groups = run.trainer.last_step.groups
+    tokens = sum(len(g.prompt_ids) for g in groups) + sum(len(m.completion_ids) for g in groups for m in g.members)
+    params = sum(p.numel() for p in run.trainer.model.parameters())
+    from exgrpo.config.rules import compute_precision, engine_precision
+
+    config = run.trainer.config
+    rate = {p: gflops["bf16" if p == "bfloat16" else "fp32"] * 1e9
+            for p in (compute_precision(config), engine_precision(config))}
+    return {"bound_rollout_s": 2 * params * tokens / rate[engine_precision(config)],
+            "bound_update_s": 4 * params * tokens / rate[compute_precision(config)]}
+
+
+def step_times(settings: list[str], rounds: int, gflops: dict) -> None:
     from exgrpo.config import load_config
     from exgrpo.training.run import build_run
 
     runs = {}
-    for name, overrides in ENGINES.items():
-        config = load_config(ROOT / "configs" / "demo.yaml", overrides + [
+    for name in settings:
+        config = load_config(ROOT / "configs" / "demo.yaml", SETTINGS[name] + [
             "experience.ratio=0", "eval.every=0", "logging.progress=false", "logging.tensorboard=false",
             f"logging.output_dir={tempfile.mkdtemp(prefix=f'exgrpo-engines-{name}-')}"])
         runs[name] = build_run(config)
@@ -54,10 +86,11 @@ def step_times(rounds: int) -> None:
                 metrics, _ = run.trainer.train_step()
                 seconds = time.perf_counter() - start
                 tokens = sum(len(m.completion_ids) for g in run.trainer.last_step.groups for m in g.members)
-                rec = {"bench": "engine_step", "engine": name, "round": r, "warmup": r == 0, "seconds": seconds,
-                       "rollout_s": metrics["time/rollout"], "rollout_tokens_per_s": tokens / metrics["time/rollout"],
-                       "reward": metrics["reward"], "logp_diff_mean": metrics.get("rollout/logp_diff_mean"),
-                       "tis_weight_mean": metrics.get("tis/weight_mean")}
+                rec = {"bench": "engine_step", "setting": name, "round": r, "warmup": r == 0, "seconds": seconds,
+                       **{k: v for k, v in metrics.items() if k.startswith("time/")},
+                       "rollout_tokens_per_s": tokens / metrics["time/rollout"], "reward": metrics["reward"],
+                       "logp_diff_mean": metrics.get("rollout/logp_diff_mean"),
+                       "tis_weight_mean": metrics.get("tis/weight_mean"), **step_bound(run, gflops)}
                 out(rec)
                 if r:
                     records[name].append(rec)
@@ -65,9 +98,11 @@ def step_times(rounds: int) -> None:
         for run in runs.values():
             run.close()
     for name, recs in records.items():
-        out({"bench": "engine_step_summary", "engine": name, "steps": len(recs),
-             **{f"median_{k}": statistics.median(x[k] for x in recs) for k in ("seconds", "rollout_s",
-                                                                                  "rollout_tokens_per_s")}})
+        keys = [k for k in recs[0] if k.startswith(("time/", "bound_")) or k in ("seconds", "rollout_tokens_per_s")]
+        summary = {f"median_{k}": statistics.median(x[k] for x in recs) for k in keys}
+        bound = summary["median_bound_rollout_s"] + summary["median_bound_update_s"]
+        out({"bench": "engine_step_summary", "setting": name, "steps": len(recs), **summary,
+             "bound_s": bound, "seconds_over_bound": summary["median_seconds"] / bound})
 
 
 def eval_throughput(questions: int) -> None:
@@ -80,29 +115,33 @@ def eval_throughput(questions: int) -> None:
     data = load_benchmarks([BENCHMARKS["math500"]], BENCH_DATA)
     data[0].items = data[0].items[:questions]
     protocol = EvalProtocol(max_new_tokens=256)
-    model, tok = load_policy("smollm2-135m-instruct")
     with GradingPool(num_workers=2) as pool:
-        for name in ("hf", "vllm"):
-            engine = build_eval_engine(name, model, tok, data, protocol, batch_size=64, dtype="float32")
+        for name, dtype in (("hf", "float32"), ("hf", "bfloat16"), ("vllm", "float32"), ("vllm", "bfloat16")):
+            model, tok = load_policy("smollm2-135m-instruct", dtype=dtype)
+            engine = build_eval_engine(name, model, tok, data, protocol, batch_size=64, dtype=dtype)
             start = time.perf_counter()
             result = evaluate_questions(engine, tok, data[0].questions, name="math500", kind="math", samples=1,
                                         protocol=protocol, pool=pool, batch_size=64)
             seconds = time.perf_counter() - start
             engine.close()
             tokens = result.completion_tokens * questions
-            out({"bench": "engine_eval", "engine": name, "questions": questions, "max_new_tokens": 256,
-                 "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 1),
+            out({"bench": "engine_eval", "engine": name, "dtype": dtype, "questions": questions,
+                 "max_new_tokens": 256, "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 1),
                  "accuracy": result.metrics()["avg@1"]})
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="measured rounds (after one discarded)")
-    parser.add_argument("--eval-questions", type=int, default=16)
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--long-questions", type=int, default=16, help="MATH-500 questions at 256 tokens (0: none)")
     args = parser.parse_args()
-    step_times(args.rounds)
-    if BENCH_DATA.is_dir():
-        eval_throughput(args.eval_questions)
+    torch.set_num_threads(2)
+    gflops = {"fp32": matmul_gflops(torch.float32), "bf16": matmul_gflops(torch.bfloat16)}
+    out({"bench": "matmul_gflops", **gflops})
+    step_times(args.settings, args.rounds, gflops)
+    if args.long_questions and BENCH_DATA.is_dir():
+        eval_throughput(args.long_questions)
 
 
 if __name__ == "__main__":

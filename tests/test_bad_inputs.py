@@ -123,7 +123,7 @@ CASES = {
     "vllm not installed": (_vllm_not_installed, lambda action: action()),
     # datasets
     "missing data file": (lambda p: load_questions(str(p / "nope.jsonl")),
-                          _raises(FileNotFoundError, "nope.jsonl")),
+                          _raises(DataError, "nope.jsonl: no such file or directory")),
     "row without prompt": (lambda p: load_questions(_write(p, "a.jsonl", '{"answer": "1"}\n')),
                            _raises(DataError, "a.jsonl row 0 (line 1): field 'prompt' is missing")),
     "ground truth of the wrong type": (
@@ -135,9 +135,9 @@ CASES = {
     "invalid rows skipped when asked": (_skip_invalid, lambda action: action()),
     # models
     "model path that does not exist": (lambda p: load_policy(str(p / "no-model")),
-                                       _raises(FileNotFoundError, "neither a local directory with config.json")),
+                                       _raises(FileNotFoundError, "no-model': no such directory")),
     "model directory without config.json": (lambda p: (p / "empty").mkdir() or load_policy(str(p / "empty")),
-                                            _raises(FileNotFoundError, "exists but has no config.json")),
+                                            _raises(FileNotFoundError, "empty' has no config.json")),
     "unknown dtype": (lambda p: load_policy("tiny", dtype="fp8"), _raises(ValueError, "unsupported dtype 'fp8'")),
     # graders and rewards
     "grader that hangs": (_timeout, lambda action: action()),

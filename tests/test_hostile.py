@@ -162,6 +162,30 @@ def grading_timeouts(d):
     return done
 
 
+def in_process_grading_timeouts(d):
+    done = train(d, "reward.function=toy_rewards:hangs_once", "reward.timeout=2", "train.steps=1",
+                 env={"TOY_MARKER": str(d.parent / "marker")})  # reward.workers=0: SIGALRM stops the item
+    assert last_metrics(d)["grading/timeouts"] == 1
+    return done
+
+
+def sigterm_twice_in_a_hung_reward(d):
+    marker = d.parent / "marker"
+    proc = start(d, "reward.function=toy_rewards:hangs_once", "reward.timeout=600", env={"TOY_MARKER": str(marker)})
+    deadline = time.time() + 240
+    while not marker.exists():  # the reward has started hanging
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGTERM)
+    time.sleep(1.0)
+    asked = time.monotonic()
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert time.monotonic() - asked < 10 and checkpoints(d) == [] and steps(d) == []
+    assert "SIGTERM: stopping after this step" in stderr
+    return subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr)
+
+
 def disk_full_while_checkpointing(d):
     assert train(d, "train.steps=1").returncode == 0
     limit = 300_000  # bytes per file: the tiny model's weights (~380 kB) no longer fit
@@ -171,7 +195,17 @@ def disk_full_while_checkpointing(d):
 
     failed = train(d, "--resume", str(d), "train.steps=2", preexec_fn=small_disk)
     assert checkpoints(d) == ["step-000001"]  # no partial step-2 checkpoint, step 1 intact
+    assert failed.stderr.count("File too large") == 1  # the OS's words (torch.save's own are a C++ assertion)
     assert train(d, "--resume", str(d), "train.steps=2").returncode == 0 and steps(d) == [1, 2]
+    return failed
+
+
+def disk_full_while_logging(d):
+    def small_disk():  # config.json (3 kB) fits, the metrics of a few steps (1.6 kB each) do not
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4000, 4000))
+
+    failed = train(d, "train.steps=20", "train.save_every=0", preexec_fn=small_disk)
+    assert failed.stderr.count("File too large") == 1 and checkpoints(d) == []
     return failed
 
 
@@ -219,8 +253,12 @@ CASES = {  # name: (case, exit code, message on stderr)
                                           "more than train.max_skipped_updates 1"),
     "grading timeouts": (grading_timeouts, 0, "grading failed for some completions (1 timeouts"),
     "Ctrl-C while grading": (ctrl_c_while_grading, 128 + signal.SIGINT, "SIGINT: checkpointing at step"),
+    "a hung reward graded in-process": (in_process_grading_timeouts, 0, "grading failed for some completions"),
+    "SIGTERM twice while a reward hangs": (sigterm_twice_in_a_hung_reward, 128 + signal.SIGTERM,
+                                           "SIGTERM again: stopped at once"),
     "unwritable output directory": (lambda d: train("/dev/null/run"), 2, "/dev/null/run: cannot write there"),
     "disk full while checkpointing": (disk_full_while_checkpointing, 2, "cannot write checkpoint"),
+    "disk full while logging": (disk_full_while_logging, 2, "metrics.jsonl: File too large"),
     "benchmark test questions as held-out data": (benchmark_questions_held_out, 2,
                                                   "are benchmark test questions"),
     "benchmark test questions as training data": (benchmark_questions_trained_on, 2,

@@ -166,9 +166,11 @@ def test_missing_local_path_is_a_clear_error(tmp_path):
         load_policy(str(missing))
     assert isinstance(info.value, ValueError)  # catchable either way
     message = str(info.value)
-    assert str(missing) in message
-    assert "config.json" in message and "hub id" in message
-    assert "smollm2-135m-instruct" in message and "tiny" in message
+    assert f"no such directory '{missing}'" in message and "hub" not in message  # a path is never a hub id
+    with pytest.raises(FileNotFoundError) as info:
+        load_policy("no-org/no-model")
+    assert "nor a reachable Hugging Face hub id" in str(info.value)
+    assert "smollm2-135m-instruct" in str(info.value) and "tiny" in str(info.value)
 
 
 def test_directory_without_config_is_a_clear_error(tmp_path):

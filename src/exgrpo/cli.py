@@ -16,6 +16,7 @@ from rich.table import Table
 
 from exgrpo.config import ConfigError, load_config
 from exgrpo.errors import ExgrpoError, ExgrpoWarning
+from exgrpo.runtime.signals import StopNow
 
 
 def _train(args, overrides) -> int:
@@ -194,7 +195,7 @@ def _add_eval_parser(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--engine", default="hf", choices=["hf", "vllm"],
                    help="hf: transformers generate; vllm: an in-process vLLM engine (needs the vllm extra)")
-    p.add_argument("--workers", type=int, default=2, help="grading processes (0: grade in-process, no timeout)")
+    p.add_argument("--workers", type=int, default=2, help="grading processes (0: grade in-process)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     except ExgrpoError as e:
         print(f"exgrpo: error: {e}", file=sys.stderr)
         return 2
+    except StopNow as e:
+        _note(f"{e}; --resume continues from the last checkpoint")
+        return _stop_code(e.signal_name)
     finally:
         warnings.formatwarning = library_format
 

@@ -1,5 +1,8 @@
 """The errors exgrpo raises for things a user can fix; the CLI prints their message as one line (exit code 2)."""
 
+import contextlib
+import warnings
+
 
 class ExgrpoError(Exception):
     """Base of the user-facing errors."""
@@ -27,3 +30,19 @@ class ExgrpoWarning(UserWarning):
 
 class ConfigError(ExgrpoError, ValueError):
     """A config file or override that cannot be honoured; the message names the field."""
+
+
+class Shutdown(contextlib.ExitStack):
+    """An ExitStack whose clean-up cannot hide the error that ended its block: a callback failing while that error
+    propagates is reported as a warning and the first error is the one raised."""
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is None:
+            return super().__exit__(exc_type, exc, tb)
+        try:
+            return super().__exit__(exc_type, exc, tb)
+        except BaseException as later:
+            if later is exc:
+                raise
+            warnings.warn(ExgrpoWarning(f"shutting down after the error below also failed: {later}"), stacklevel=2)
+            return False

@@ -27,6 +27,7 @@ import shutil
 import string
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -148,7 +149,9 @@ def apply_lora(model: Any, settings: LoraConfig) -> Any:
 
     config = peft.LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                              target_modules=settings.modules, task_type="CAUSAL_LM")
-    return peft.get_peft_model(model, config)
+    with warnings.catch_warnings():  # peft 0.21 reads transformers' deprecated name; nothing for a user to do
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        return peft.get_peft_model(model, config)
 
 
 def default_cache_dir() -> Path:
@@ -261,10 +264,11 @@ def _load_pretrained(name: str, torch_dtype: torch.dtype, trust_remote_code: boo
     is_hub_id = False
     if local.is_dir():
         if not (local / "config.json").is_file():
-            raise _not_found(name, f"directory {str(local)!r} exists but has no config.json")
+            raise PolicyNotFoundError(f"cannot load policy {name!r}: the directory {str(local.resolve())!r} has no "
+                                      "config.json (is it a checkpoint's model/ directory?)")
         source = str(local)
-    elif _looks_like_path(name):
-        raise _not_found(name, f"no such directory: {str(local)!r}")
+    elif _looks_like_path(name):  # a path, so never a hub id: say what is missing, not what the hub lacks
+        raise PolicyNotFoundError(f"cannot load policy {name!r}: no such directory {str(local.resolve())!r}")
     else:
         source, is_hub_id = name, True
 

@@ -188,8 +188,12 @@ def test_empty_and_missing_sources(tmp_path):
     (tmp_path / "empty.parquet").write_bytes(b"")
     with pytest.raises(DataError, match="empty.parquet: not a readable parquet file"):
         load_questions(str(tmp_path / "empty.parquet"))
-    with pytest.raises(FileNotFoundError, match="nope.parquet"):
+    with pytest.raises(DataError, match="nope.parquet: no such file or directory"):
         load_questions(str(tmp_path / "nope.parquet"))
+    for path_like in ("no_such_dir/", "a/b/c", "./x"):  # a path, never taken for a dataset name
+        with pytest.raises(DataError, match="no such file or directory") as err:
+            load_questions(path_like)
+        assert "datasets" not in str(err.value)
     (tmp_path / "d").mkdir()
     with pytest.raises(DataError, match="no .parquet or .jsonl files"):
         load_questions(str(tmp_path / "d"))
@@ -201,7 +205,8 @@ def test_hf_name_without_datasets_is_clear():
     try:
         import datasets  # noqa: F401
     except ImportError:
-        with pytest.raises(ImportError, match="pip install datasets"):
+        with pytest.raises(DataError, match=r"some-org/some-dataset: no such file or directory .*as a Hugging "
+                                             r"Face dataset name it would need the `datasets` package"):
             load_questions("some-org/some-dataset")
     else:
         pytest.skip("datasets is installed; the offline error path is not reachable")

@@ -295,3 +295,21 @@ def test_items_queued_behind_a_lost_item_are_graded_on_a_new_worker(pool):
     scores = pool.grade(misbehaving_grader, completions, ["a", "a", "a", "b", "a", "c", "a", "a"])
     assert scores == [0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0]
     assert pool.pop_stats() == {"graded": 8, "timeouts": 1, "crashes": 3, "errors": 0}
+
+
+def test_serial_pool_stops_a_hung_item_at_its_timeout():
+    serial = GradingPool(num_workers=0, timeout=1.0)
+    start = time.monotonic()
+    assert serial.grade(misbehaving_grader, ["a", "hang", "b"], ["a", "a", "b"]) == [1.0, 0.0, 1.0]
+    assert time.monotonic() - start < 5
+    assert serial.stats == {"graded": 3, "timeouts": 1, "crashes": 0, "errors": 0}
+    assert serial.grade(grade_math, [r"\boxed{\frac{1}{2}}"], ["0.5"]) == [1.0]  # math-verify under the pool's timer
+
+
+def test_serial_pool_with_a_timeout_refuses_other_threads():
+    errors = []
+    worker = threading.Thread(target=lambda: errors.append(pytest.raises(
+        RuntimeError, GradingPool(num_workers=0).grade, grade_math, ["1"], ["1"])))
+    worker.start()
+    worker.join(timeout=60)
+    assert "only the main thread receives" in str(errors[0].value)

@@ -186,6 +186,30 @@ def test_two_fsdp_ranks_with_one_engine_each_match_one_process(tmp_path, full_ru
         assert f"rank {rank}: vLLM engine on cpu (engine rank {rank}, local rank {rank})" in result.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("full_run")  # one worker computes the shared run
+def test_an_exported_checkpoint_loads_in_vllm_with_its_chat_template(tmp_path, full_run, monkeypatch):
+    """`exgrpo export RUN OUT --merge` of the LoRA run: vLLM loads OUT by itself, and its greedy tokens are
+    transformers' on the same directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "exported"
+    result = run_cli(["export", str(full_run[0]), str(out), "--merge"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], tokenize=False,
+                                           add_generation_prompt=True)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    want = AutoModelForCausalLM.from_pretrained(out).generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
+    import vllm
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, as exgrpo runs it
+    llm = vllm.LLM(model=str(out), dtype="float32", max_model_len=128, max_num_seqs=1, enforce_eager=True,
+                   block_size=32, kv_cache_memory_bytes=16 * 2**20, disable_log_stats=True)
+    got = llm.generate([prompt], vllm.SamplingParams(max_tokens=8, temperature=0.0))[0].outputs[0].token_ids
+    assert list(got) == want.tolist()
+
+
 def _train_in_process(run_dir, *extra):
     return run_cli(["train", "--config", str(ROOT / "configs" / "demo.yaml"), "rollout.engine=vllm", "train.steps=3",
                     "train.prompts_per_step=4", "rollout.num_generations=4", "rollout.max_completion_length=12",

@@ -41,3 +41,24 @@ def test_every_key_a_mixed_phase_run_logs_is_defined(tiny_policy, questions, tmp
     keys = {k for m in history for k in m} | {"step", "time"}
     assert "replay/ratio_mean" in keys and "eval/accuracy" in keys  # the run reached replays and evaluation
     assert not [k for k in keys if definition(k) is None]
+
+
+def test_the_progress_line_fits_80_columns_with_every_figure(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from exgrpo.runtime.tracking import Tracker
+
+    tracker = Tracker(tmp_path, 1000, tensorboard=False, progress=True, start_step=998)
+    try:
+        tracker.log(999, {"reward": 0.25, "phase": "mixed", "experience/questions": 1234,
+                          "experience/trajectories": 5678})
+        screen = Console(width=80, file=io.StringIO(), record=True)
+        screen.print(tracker._progress.make_tasks_table(tracker._progress.tasks))
+    finally:
+        tracker.close()
+    line = screen.export_text().rstrip("\n")
+    assert "\n" not in line and "…" not in line, line
+    for figure in ("step  999/1000", "reward 0.25", "mixed", "buffer 1234q/5678t", "ETA"):
+        assert figure in line, line

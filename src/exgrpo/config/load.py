@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 import typing
@@ -164,6 +165,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
         tree = loaded or {}
+        try:  # the file's own fields and types first, so that an override's mistake is not blamed on the file
+            _build(ExGRPOConfig, copy.deepcopy(tree))
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
     given = _dotted_keys(tree) if path is not None else set()  # a resolved `base` sets every field
     for key, value in parse_overrides(overrides or []):
         _set_dotted(tree, key, value)
@@ -171,7 +176,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         return _build_validated(tree, given)
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+        where = f"{path} with the overrides" if path and overrides else path
+        raise ConfigError(f"{where}: {e}" if where else str(e)) from None
 
 
 def config_from_dict(values: dict) -> ExGRPOConfig:

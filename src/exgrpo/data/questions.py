@@ -90,8 +90,9 @@ def load_questions(
         if path.suffix.lower() not in _FILE_SUFFIXES:
             raise DataError(f"{source}: unsupported file type {path.suffix!r} (expected .parquet or .jsonl)")
         files, rows = [path], _read_file(path)
-    elif path.suffix in _FILE_SUFFIXES or source.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"data file or directory not found: {source}")
+    elif path.suffix.lower() in _FILE_SUFFIXES or source.startswith((".", "/", "~")) or source.endswith("/") \
+            or source.count("/") > 1 or "\\" in source:  # a path, so never a dataset name
+        raise DataError(f"{source}: no such file or directory ({path.resolve()})")
     else:
         files, rows = [], _read_hf(source, split)
     questions = _build(rows, source, limit, skip_invalid, prompt_suffix)
@@ -194,10 +195,8 @@ def _read_hf(source: str, split: str) -> Iterator[_Row]:
     try:
         import datasets
     except ImportError as e:
-        raise ImportError(
-            f"{source!r} is not a local file or directory, so it is treated as a Hugging Face dataset name, "
-            "which needs the `datasets` package (pip install datasets)"
-        ) from e
+        raise DataError(f"{source}: no such file or directory ({Path(source).resolve()}); as a Hugging Face "
+                        "dataset name it would need the `datasets` package (pip install datasets)") from e
     ds = datasets.load_dataset(source, split=split)
     for index, data in enumerate(ds):
         yield _Row(f"{source}[{split}] row {index}", source, index, data)

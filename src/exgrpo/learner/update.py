@@ -116,7 +116,10 @@ class PolicyUpdate:
         self.sharded = train.sharding == "fsdp" and dist.enabled
         bf16 = train.dtype == "bf16"
         if train.activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.2x
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.sharded:
             fully_shard_model(model, dist, bf16)
         # no buffer broadcast: the model's buffers (e.g. rotary frequencies) never change, and without it ranks may

@@ -22,7 +22,7 @@ class MathReward:
 
     def __init__(self, think_gate: bool = False, pool: GradingPool | None = None):
         self.think_gate = think_gate
-        self.pool = pool if pool is not None else GradingPool(num_workers=0)
+        self.pool = pool if pool is not None else GradingPool(num_workers=0, timeout=None)
 
     def __call__(self, prompts: list, completions: list[str], completion_ids: list | None, *,
                  answer: list[str], **columns: Any) -> list[float]:
@@ -35,7 +35,7 @@ class ChoiceReward:
     name = "choice"
 
     def __init__(self, pool: GradingPool | None = None):
-        self.pool = pool if pool is not None else GradingPool(num_workers=0)
+        self.pool = pool if pool is not None else GradingPool(num_workers=0, timeout=None)
 
     def __call__(self, prompts: list, completions: list[str], completion_ids: list | None, *,
                  answer: list[str], **columns: Any) -> list[float]:
@@ -56,7 +56,7 @@ class ReasoningGymReward:
     name = "reasoning_gym"
 
     def __init__(self, pool: GradingPool | None = None):
-        self.pool = pool or GradingPool(num_workers=0)
+        self.pool = pool if pool is not None else GradingPool(num_workers=0, timeout=None)
 
     def __call__(self, prompts: list, completions: list[str], completion_ids: list | None = None, *,
                  rg_entry: list[dict] | None = None, **columns: Any) -> list[float]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import re
+import signal
 import threading
 
 from math_verify import parse, verify
@@ -24,9 +25,10 @@ def grade_math(completion: str, gold: str, think_gate: bool = False) -> float:
         completion = after_think(completion)
         if completion is None:
             return 0.0
-    # math-verify times out with SIGALRM, which only works on the main thread; elsewhere it would raise, so turn
-    # its timeouts off there and rely on the caller (GradingPool) to bound the time.
-    timeout = _MV_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    # math-verify times out with SIGALRM, which only works on the main thread (elsewhere it would raise) and would
+    # disarm an in-process GradingPool's own timer: there its timeouts are off and the pool bounds the time.
+    own_timer = threading.current_thread() is threading.main_thread() and not signal.getitimer(signal.ITIMER_REAL)[0]
+    timeout = _MV_TIMEOUT_S if own_timer else None
     try:
         gold_parsed = parse("$" + gold + "$", parsing_timeout=timeout)
         answer_parsed = parse(completion, parsing_timeout=timeout)

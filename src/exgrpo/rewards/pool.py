@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import threading
@@ -27,6 +28,28 @@ def _call(grader: Grader, completion: str, gold: str, kwargs: dict[str, Any]) ->
         return float(grader(completion, gold, **kwargs)), False
     except Exception:
         return 0.0, True
+
+
+class _ItemTimeout(BaseException):
+    """Raised by the interval timer in an item that ran past its timeout (a BaseException: a grader's own
+    `except Exception` must not swallow it)."""
+
+
+def _expire(signum, frame):
+    raise _ItemTimeout
+
+
+def _call_within(grader: Grader, completion: str, gold: str, kwargs: dict[str, Any],
+                 timeout: float) -> tuple[float, bool] | None:
+    """`_call` stopped by SIGALRM after `timeout` seconds (None then); main thread only, `_expire` installed."""
+    try:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, timeout)
+            return _call(grader, completion, gold, kwargs)
+        finally:  # the timer may fire here too, before it is disarmed: the outer handler catches that
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except _ItemTimeout:
+        return None
 
 
 def _exit_with(parent: int) -> None:
@@ -96,12 +119,15 @@ class GradingPool:
     """Grades batches in `num_workers` spawned processes, started on first use and reused.
 
     An item that runs past `timeout` seconds, or whose worker dies, scores 0.0 and the worker is replaced; an item
-    whose grader raises scores 0.0. `num_workers=0` grades serially in-process, without the timeout. `stats`
+    whose grader raises scores 0.0. `num_workers=0` grades serially in-process, each item stopped after `timeout`
+    seconds by an interval timer (SIGALRM, so only on the main thread; `timeout=None` grades unbounded). `stats`
     counts items ("graded", which includes the failed ones), "timeouts", "crashes" and "errors" (raised) since
     creation; `pop_stats()` gives the counts since its previous call. `grade` may be called from any thread.
     """
 
-    def __init__(self, num_workers: int = 2, timeout: float = 5.0):
+    def __init__(self, num_workers: int = 2, timeout: float | None = 5.0):
+        if timeout is None and num_workers:
+            raise ValueError("grading workers need a timeout: it is how a hung worker is told from a slow one")
         self.num_workers = num_workers
         self.timeout = timeout
         self.stats = {"graded": 0, "timeouts": 0, "crashes": 0, "errors": 0}
@@ -116,7 +142,7 @@ class GradingPool:
             raise ValueError(f"{len(completions)} completions but {len(golds)} golds")
         with self._lock:
             if self.num_workers == 0:
-                results = [_call(grader, c, g, grader_kwargs) for c, g in zip(completions, golds)]
+                results = self._grade_here(grader, completions, golds, grader_kwargs)
             else:
                 results = self._grade_in_workers(grader, completions, golds, grader_kwargs)
             self.stats["graded"] += len(results)
@@ -141,6 +167,22 @@ class GradingPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _grade_here(self, grader: Grader, completions: list[str], golds: list[str],
+                    kwargs: dict[str, Any]) -> list[tuple[float, bool]]:
+        if self.timeout is None:
+            return [_call(grader, c, g, kwargs) for c, g in zip(completions, golds)]
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError(f"in-process grading (num_workers=0) stops an item after {self.timeout:g} s with "
+                               "SIGALRM, which only the main thread receives: grade from the main thread, use "
+                               "grading workers, or pass timeout=None")
+        previous = signal.signal(signal.SIGALRM, _expire)
+        try:
+            results = [_call_within(grader, c, g, kwargs, self.timeout) for c, g in zip(completions, golds)]
+        finally:
+            signal.signal(signal.SIGALRM, previous)
+        self.stats["timeouts"] += results.count(None)
+        return [(0.0, False) if r is None else r for r in results]
 
     def _start(self) -> None:
         self._workers[:] = [_spawn() for _ in range(self.num_workers)]

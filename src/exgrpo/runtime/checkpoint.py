@@ -116,7 +116,8 @@ def save_checkpoint(run_dir: str | Path, step: int, write_model: Callable[[Path]
         _remove_scratch(root)  # left by a process killed while writing or pruning (the caller holds the run lock)
         tmp.mkdir()
         write_model(tmp / "model")
-        torch.save({**state["optimizer"], "torch_rng": torch.get_rng_state()}, tmp / "optimizer.pt")
+        with open(tmp / "optimizer.pt", "wb") as f:  # a Python file: a full disk surfaces as its OSError
+            torch.save({**state["optimizer"], "torch_rng": torch.get_rng_state()}, f)
         write_state(state["buffer"], tmp / "buffer.safetensors")
         np_state = np.random.get_state()
         rng = {"python_rng": _jsonable(random.getstate()),
@@ -133,9 +134,19 @@ def save_checkpoint(run_dir: str | Path, step: int, write_model: Callable[[Path]
             _delete(old)
     except Exception as e:  # OSError, or a writer's own wrapper of one (safetensors, torch.save)
         shutil.rmtree(tmp, ignore_errors=True)
-        cause = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise RunDirectoryError(f"cannot write checkpoint {final}: {cause}") from e
+        raise RunDirectoryError(f"cannot write checkpoint {final}: {_os_cause(e)}") from None
     return final
+
+
+def _os_cause(error: BaseException) -> str:
+    """The operating system's words for a failed write ("No space left on device"), found in the chain of errors
+    that writers such as torch.save raise over it; else the error's own message."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror
+        seen = seen.__cause__ or seen.__context__
+    return str(error)
 
 
 def _delete(checkpoint: Path) -> None:

@@ -1,22 +1,39 @@
-"""Stopping on request: the first SIGINT/SIGTERM asks to stop after the current unit of work, a second interrupts."""
+"""Stopping on request: the first SIGINT/SIGTERM asks to stop after the current unit of work, a second stops at
+once."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
 
-class StopRequest:
-    """A context in which SIGINT/SIGTERM set `requested` (the signal's name) instead of interrupting."""
+class StopNow(BaseException):
+    """A second SIGINT/SIGTERM: stop at once, without checkpointing the unit of work in progress (a BaseException,
+    like KeyboardInterrupt: a reward function's `except Exception` must not swallow it)."""
 
-    def __init__(self):
+    def __init__(self, signal_name: str):
+        super().__init__(f"{signal_name} again: stopped at once")
+        self.signal_name = signal_name
+
+
+class StopRequest:
+    """A context in which SIGINT/SIGTERM set `requested` (the signal's name) instead of interrupting; the first
+    says so on stderr at once, a second raises `StopNow`. `unit` names what finishes first (for that line)."""
+
+    def __init__(self, unit: str = "this step"):
         self.requested: str | None = None
+        self.unit = unit
         self._previous: dict = {}
 
     def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
         if self.requested:
-            raise KeyboardInterrupt
-        self.requested = signal.Signals(signum).name
+            raise StopNow(name)
+        self.requested = name
+        # os.write, not print: a handler that runs while the main thread is inside a print would re-enter it.
+        os.write(2, f"exgrpo: {name}: stopping after {self.unit} (a checkpoint follows); {name} again stops at "
+                    "once, from the last checkpoint\n".encode())
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():

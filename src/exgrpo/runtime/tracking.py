@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from exgrpo.runtime.atomic import write_text_atomic
 from exgrpo.errors import RunDirectoryError
@@ -29,6 +29,7 @@ class Tracker:
         self.console = Console(stderr=True)
         self._jsonl = (self.dir / "metrics.jsonl").open("a")
         self._samples = (self.dir / "samples.jsonl").open("a")
+        self._write_failed = False
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -44,20 +45,18 @@ class Tracker:
             self._wandb = wandb_module.init(config=config or {}, dir=str(self.dir))
         self._progress = None
         if progress:
+            # Sized for an 80-column terminal at 1000/1000 steps and a buffer in the thousands (75 characters);
+            # throughput and stage times are in metrics.jsonl.
             self._progress = Progress(
-                TextColumn("[bold]ExGRPO"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
-                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=self.console,
+                TextColumn("step"), MofNCompleteColumn(), BarColumn(bar_width=10), TextColumn("{task.fields[status]}"),
+                TextColumn("ETA"), TimeRemainingColumn(), console=self.console,
             )
             self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="")
             self._progress.start()
 
     def log(self, step: int, metrics: dict) -> None:
         clean = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
-        try:
-            self._jsonl.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
-            self._jsonl.flush()
-        except OSError as e:
-            raise RunDirectoryError(f"cannot write {self._jsonl.name}: {e.strerror or e}") from None
+        self._append(self._jsonl, json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
         if self._tb is not None:
             for key, value in clean.items():
                 self._tb.add_scalar(key, value, step)
@@ -65,18 +64,20 @@ class Tracker:
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
         if self._progress is not None and "reward" in metrics:
-            status = (
-                f"reward {metrics['reward']:.2f} | {metrics.get('phase', '')} | "
-                f"buffer {metrics.get('experience/questions', 0):.0f}q/{metrics.get('experience/trajectories', 0):.0f}t"
-                f" | replayed {metrics.get('experience/replayed', 0):.0f}"
-                f" | {metrics.get('tokens_per_second', 0):.0f} tok/s"
-            )
+            status = (f"reward {metrics['reward']:.2f} {metrics.get('phase', ''):<6} buffer "
+                      f"{metrics.get('experience/questions', 0):.0f}q/{metrics.get('experience/trajectories', 0):.0f}t")
             self._progress.update(self._task, completed=step, status=status)
 
     def log_samples(self, step: int, samples: list[dict]) -> None:
-        for sample in samples:
-            self._samples.write(json.dumps({"step": step, **sample}) + "\n")
-        self._samples.flush()
+        self._append(self._samples, "".join(json.dumps({"step": step, **sample}) + "\n" for sample in samples))
+
+    def _append(self, file, text: str) -> None:
+        try:
+            file.write(text)
+            file.flush()
+        except OSError as e:
+            self._write_failed = True
+            raise RunDirectoryError(f"cannot write {file.name}: {e.strerror or e}") from None
 
     def print(self, *args) -> None:
         self.console.print(*args)
@@ -84,8 +85,12 @@ class Tracker:
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
-        self._jsonl.close()
-        self._samples.close()
+        for file in (self._jsonl, self._samples):
+            try:
+                file.close()
+            except OSError:  # what a failed write left in the buffer, already reported by _append
+                if not self._write_failed:
+                    raise
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:

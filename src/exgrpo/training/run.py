@@ -13,7 +13,7 @@ from exgrpo.runtime.checkpoint import latest_intact_checkpoint, read_trainer_jso
 from exgrpo.config import ConfigError, ExGRPOConfig, config_changes
 from exgrpo.data import load_questions, split_holdout
 from exgrpo.runtime.distributed import launched_rank
-from exgrpo.errors import CheckpointError
+from exgrpo.errors import CheckpointError, Shutdown
 from exgrpo.evaluation.contamination import screen_benchmark_questions
 from exgrpo.models import load_policy
 from exgrpo.rewards import ChoiceReward, GradingPool, IsolatedReward, MathReward, ReasoningGymReward
@@ -120,12 +120,9 @@ def prepared_run(config: ExGRPOConfig, resume: bool, log: Callable[[str], None] 
                  ) -> Iterator[tuple[Run, Path | None]]:
     """`start_point` then `build_run`: (the run, the checkpoint to resume from or None). The run directory stays
     locked until the block ends, then the engine and grading pool are closed and the lock released."""
-    try:
+    with Shutdown() as cleanup:
+        cleanup.callback(unlock_run_directory, config.logging.output_dir)
         config, checkpoint = start_point(config, resume, log)
         run = build_run(config, log)
-        try:
-            yield run, checkpoint
-        finally:
-            run.close()
-    finally:
-        unlock_run_directory(config.logging.output_dir)
+        cleanup.callback(run.close)
+        yield run, checkpoint

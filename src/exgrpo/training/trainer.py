@@ -21,7 +21,6 @@ members) all read this k.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch
 
 from exgrpo.config import ExGRPOConfig
 from exgrpo.data import PromptEncoder, Question, QuestionPool, drop_long_prompts
+from exgrpo.errors import Shutdown
 from exgrpo.evaluation.contamination import screen_benchmark_questions
 from exgrpo.evaluation.heldout import Accuracy, evaluate_accuracy
 from exgrpo.experience import ExperienceBuffer, Trajectory, num_experiential, replay_policy_from_config, select_replays
@@ -248,7 +248,7 @@ class ExGRPOTrainer:
         return. Returns per-step metrics. Under data parallelism only rank 0 logs and writes checkpoints.
         """
         c, directory = self.config, self.config.logging.output_dir
-        with contextlib.ExitStack() as cleanup:
+        with Shutdown() as cleanup:
             if self.dist.is_main:
                 lock_run_directory(directory)
                 cleanup.callback(unlock_run_directory, directory)
