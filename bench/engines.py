@@ -2,13 +2,14 @@
 tokens/s, and the step's compute bound on this machine; then rollout throughput at a longer completion length.
 
     .venv-vllm/bin/python bench/engines.py                    # needs the vLLM venv (make test-vllm creates it)
-    .venv-vllm/bin/python bench/engines.py --rounds 4 --settings hf-fp32 vllm-bf16-bf16 --long-questions 16
+    .venv-vllm/bin/python bench/engines.py --steps 5 --settings hf-fp32 vllm-bf16-bf16 --long-questions 16
 
 Demo setting (configs/demo.yaml): SmolLM2-135M-Instruct + LoRA r32, 6 questions x 8 rollouts, <= 24 new tokens,
 math-verify reward in 2 workers, one optimizer step per step, GRPO (experience.ratio=0). Settings: the engine (hf:
-the trainer's own forward; vllm) x the engine's precision x the trainer's (`train.dtype`). Each setting gets its
-own trainer (same weights, same seeds) and the trainers take turns, one step each per round; the first round (vLLM's
-kernel JIT, the first weight push) is discarded and medians over the rest are reported.
+the trainer's own forward; vllm) x the engine's precision x the trainer's (`train.dtype`). Each setting runs as a
+whole `exgrpo train` process, one after the other (in one process, five trainers' weights and KV caches evict each
+other's from the CPU caches: steps measured that way took up to 2x longer); the first step (vLLM's kernel JIT)
+is not counted, and the medians of `time/*` over steps 2-5 are reported.
 
 The bound: the step's matmul FLOPs at this machine's measured matmul rate for the precision (a 1024^3 matmul,
 timed here): rollout 2 P (prompt tokens once per group + completion tokens), update 4 P (the same tokens; LoRA:
@@ -23,6 +24,8 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -54,55 +57,50 @@ def matmul_gflops(dtype: torch.dtype, n: int = 1024, repeats: int = 20) -> float
     return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e9
 
 
-def step_bound(run, gflops: dict) -> dict:
-    """The step's matmul FLOPs (see the module docstring) and the seconds they take at the measured rate."""
-    groups = run.trainer.last_step.groups
-    tokens = sum(len(g.prompt_ids) for g in groups) + sum(len(m.completion_ids) for g in groups for m in g.members)
-    params = sum(p.numel() for p in run.trainer.model.parameters())
+def mean_prompt_tokens() -> float:
+    from exgrpo.config import load_config
+    from exgrpo.data import PromptEncoder, load_questions
+    from exgrpo.models import load_policy
+
+    config = load_config(ROOT / "configs" / "demo.yaml", ["logging.output_dir=/tmp/unused"])
+    encode = PromptEncoder.from_config(load_policy(config.model.name)[1], config.data)
+    questions = list(load_questions(config.data.train, prompt_suffix=config.data.prompt_suffix))[:200]
+    return statistics.mean(len(encode(q)) for q in questions)
+
+
+def step_times(settings: list[str], steps: int, gflops: dict) -> None:
+    """Each setting as a whole `exgrpo train` process, one after the other; medians of steps 2..steps."""
+    from exgrpo.config import load_config
     from exgrpo.config.rules import compute_precision, engine_precision
 
-    config = run.trainer.config
-    rate = {p: gflops["bf16" if p == "bfloat16" else "fp32"] * 1e9
-            for p in (compute_precision(config), engine_precision(config))}
-    return {"bound_rollout_s": 2 * params * tokens / rate[engine_precision(config)],
-            "bound_update_s": 4 * params * tokens / rate[compute_precision(config)]}
-
-
-def step_times(settings: list[str], rounds: int, gflops: dict) -> None:
-    from exgrpo.config import load_config
-    from exgrpo.training.run import build_run
-
-    runs = {}
+    prompt_tokens = 6 * mean_prompt_tokens()  # a group's prompt runs once, in the rollout and in the update
     for name in settings:
-        config = load_config(ROOT / "configs" / "demo.yaml", SETTINGS[name] + [
-            "experience.ratio=0", "eval.every=0", "logging.progress=false", "logging.tensorboard=false",
-            f"logging.output_dir={tempfile.mkdtemp(prefix=f'exgrpo-engines-{name}-')}"])
-        runs[name] = build_run(config)
-    records = {name: [] for name in runs}
-    try:
-        for r in range(rounds + 1):
-            for name, run in runs.items():
-                start = time.perf_counter()
-                metrics, _ = run.trainer.train_step()
-                seconds = time.perf_counter() - start
-                tokens = sum(len(m.completion_ids) for g in run.trainer.last_step.groups for m in g.members)
-                rec = {"bench": "engine_step", "setting": name, "round": r, "warmup": r == 0, "seconds": seconds,
-                       **{k: v for k, v in metrics.items() if k.startswith("time/")},
-                       "rollout_tokens_per_s": tokens / metrics["time/rollout"], "reward": metrics["reward"],
-                       "logp_diff_mean": metrics.get("rollout/logp_diff_mean"),
-                       "tis_weight_mean": metrics.get("tis/weight_mean"), **step_bound(run, gflops)}
-                out(rec)
-                if r:
-                    records[name].append(rec)
-    finally:
-        for run in runs.values():
-            run.close()
-    for name, recs in records.items():
-        keys = [k for k in recs[0] if k.startswith(("time/", "bound_")) or k in ("seconds", "rollout_tokens_per_s")]
-        summary = {f"median_{k}": statistics.median(x[k] for x in recs) for k in keys}
-        bound = summary["median_bound_rollout_s"] + summary["median_bound_update_s"]
-        out({"bench": "engine_step_summary", "setting": name, "steps": len(recs), **summary,
-             "bound_s": bound, "seconds_over_bound": summary["median_seconds"] / bound})
+        run_dir = tempfile.mkdtemp(prefix=f"exgrpo-engines-{name}-")
+        overrides = SETTINGS[name] + ["experience.ratio=0", "eval.every=0", "logging.progress=false",
+                                      f"train.steps={steps}", f"logging.output_dir={run_dir}", "--overwrite"]
+        subprocess.run([sys.executable, "-m", "exgrpo", "train", "--config", str(ROOT / "configs" / "demo.yaml"),
+                        *overrides], cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        config = load_config(ROOT / "configs" / "demo.yaml", overrides[:-1])
+        rate = {"bfloat16": gflops["bf16"] * 1e9, "float32": gflops["fp32"] * 1e9}
+        params = 134_515_008 + 9_768_960  # SmolLM2-135M-Instruct + the demo's LoRA r32 (counted)
+        metrics = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()][1:]
+        for m in metrics:
+            tokens = prompt_tokens + m["tokens_per_second"] * m["time/step"]
+            out({"bench": "engine_step", "setting": name, "step": m["step"],
+                 **{k: v for k, v in m.items() if k.startswith("time/")},
+                 "rollout_tokens_per_s": m["tokens_per_second"] * m["time/step"] / m["time/rollout"],
+                 "reward": m["reward"], "logp_diff_mean": m.get("rollout/logp_diff_mean"),
+                 "bound_rollout_s": 2 * params * tokens / rate[engine_precision(config)],
+                 "bound_update_s": 4 * params * tokens / rate[compute_precision(config)]})
+        keys = [k for k in metrics[0] if k.startswith("time/")]
+        summary = {f"median_{k}": statistics.median(m[k] for m in metrics) for k in keys}
+        summary["median_rollout_tokens_per_s"] = statistics.median(
+            m["tokens_per_second"] * m["time/step"] / m["time/rollout"] for m in metrics)
+        bound = statistics.median(
+            (2 / rate[engine_precision(config)] + 4 / rate[compute_precision(config)]) * params
+            * (prompt_tokens + m["tokens_per_second"] * m["time/step"]) for m in metrics)
+        out({"bench": "engine_step_summary", "setting": name, "steps": len(metrics), **summary, "bound_s": bound,
+             "step_over_bound": summary["median_time/step"] / bound})
 
 
 def eval_throughput(questions: int) -> None:
@@ -132,14 +130,14 @@ def eval_throughput(questions: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=5, help="measured rounds (after one discarded)")
+    parser.add_argument("--steps", type=int, default=5, help="steps per run (the first is not counted)")
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--long-questions", type=int, default=16, help="MATH-500 questions at 256 tokens (0: none)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     gflops = {"fp32": matmul_gflops(torch.float32), "bf16": matmul_gflops(torch.bfloat16)}
     out({"bench": "matmul_gflops", **gflops})
-    step_times(args.settings, args.rounds, gflops)
+    step_times(args.settings, args.steps, gflops)
     if args.long_questions and BENCH_DATA.is_dir():
         eval_throughput(args.long_questions)
 
