@@ -122,7 +122,8 @@ class GradingPool:
     whose grader raises scores 0.0. `num_workers=0` grades serially in-process, each item stopped after `timeout`
     seconds by an interval timer (SIGALRM, so only on the main thread; `timeout=None` grades unbounded). `stats`
     counts items ("graded", which includes the failed ones), "timeouts", "crashes" and "errors" (raised) since
-    creation; `pop_stats()` gives the counts since its previous call. `grade` may be called from any thread.
+    creation; `pop_stats()` gives the counts since its previous call. `grade` may be called from any thread, except
+    in-process with a timeout (main thread only).
     """
 
     def __init__(self, num_workers: int = 2, timeout: float | None = 5.0):
