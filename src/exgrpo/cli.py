@@ -198,7 +198,7 @@ def _add_eval_parser(sub) -> None:
     p.add_argument("--workers", type=int, default=2, help="grading processes (0: grade in-process)")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="exgrpo", description="ExGRPO: experience replay for RLVR")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("train", "train with ExGRPO"), ("demo", "before/after evaluation around training")):
@@ -214,17 +214,27 @@ def main(argv: list[str] | None = None) -> int:
     _add_eval_parser(sub)
     _add_experiment_parser(sub)
     _add_export_parser(sub)
+    return parser
+
+
+def _check_eval_args(parser: argparse.ArgumentParser, args) -> None:
+    """The sampling values `train` refuses, refused with its messages."""
+    if args.samples is not None and args.samples < 1 or args.limit is not None and args.limit < 1:
+        parser.error("--samples and --limit must be positive")
+    try:
+        load_config(None, [f"rollout.temperature={args.temperature}", f"rollout.top_p={args.top_p}",
+                           f"rollout.max_completion_length={args.max_new_tokens}"])
+    except ConfigError as e:
+        parser.error(f"--temperature, --top-p, --max-new-tokens: {e}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args, overrides = parser.parse_known_args(argv)
+    if overrides and args.command in ("eval", "experiment", "export"):
+        parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     if args.command == "eval":
-        if overrides:
-            parser.error(f"unrecognized arguments: {' '.join(overrides)}")
-        if args.samples is not None and args.samples < 1 or args.limit is not None and args.limit < 1:
-            parser.error("--samples and --limit must be positive")
-        try:  # the sampling values `train` refuses, with its messages
-            load_config(None, [f"rollout.temperature={args.temperature}", f"rollout.top_p={args.top_p}",
-                               f"rollout.max_completion_length={args.max_new_tokens}"])
-        except ConfigError as e:
-            parser.error(f"--temperature, --top-p, --max-new-tokens: {e}")
+        _check_eval_args(parser, args)
         from exgrpo.evaluation.run import eval_command
 
         return eval_command(args, sys.argv[1:] if argv is None else argv)
@@ -233,8 +243,6 @@ def main(argv: list[str] | None = None) -> int:
         if issubclass(category, ExgrpoWarning) else library_format(message, category, *rest)
     try:
         if args.command in ("experiment", "export"):
-            if overrides:
-                parser.error(f"unrecognized arguments: {' '.join(overrides)}")
             return _experiment(args) if args.command == "experiment" else _export(args)
         return {"train": _train, "demo": _demo}[args.command](args, overrides)
     except ConfigError as e:

@@ -397,10 +397,17 @@ def _smollm2_cache_is_complete(directory: Path) -> bool:
 
 def _convert_smollm2_gguf(gguf: Path, target: Path) -> None:
     """De-quantize the GGUF into an fp32 safetensors checkpoint plus tokenizer at ``target`` (atomically)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     started = time.perf_counter()
     logger.info("converting %s to safetensors in %s (one-off, ~1 min on CPU)", gguf, target)
+    model, tokenizer = _plain_model_from_gguf(gguf)
+    _write_conversion(model, tokenizer, gguf, target, started)
+    logger.info("converted %s in %.1f s", gguf.name, time.perf_counter() - started)
+
+
+def _plain_model_from_gguf(gguf: Path) -> tuple[Any, Any]:
+    """The GGUF's model as a plain fp32 transformers model, and its tokenizer with a ChatML template and padding."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, padding_side="left")
     gguf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
 
@@ -424,7 +431,12 @@ def _convert_smollm2_gguf(gguf: Path, target: Path) -> None:
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
+    return model, tokenizer
 
+
+def _write_conversion(model: Any, tokenizer: Any, gguf: Path, target: Path, started: float) -> None:
+    """Save into a scratch directory beside ``target``, then rename it into place (a concurrent conversion that
+    won the race is accepted)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
@@ -447,7 +459,6 @@ def _convert_smollm2_gguf(gguf: Path, target: Path) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("converted %s in %.1f s", gguf.name, time.perf_counter() - started)
 
 
 def _apply_umask_permissions(directory: Path) -> None:

@@ -207,59 +207,78 @@ class GradingPool:
                           kwargs: dict[str, Any]) -> list[tuple[float, bool]]:
         if not self._workers:
             self._start()
-        scores = [(0.0, False)] * len(completions)
-        todo = deque(range(len(completions)))
-        # Each worker holds up to _PIPELINE items, so it starts the next one without waiting for a round trip to
-        # this process. Only the item it is working on (the head of its queue) has a deadline.
-        queues: dict[Connection, tuple[_Worker, deque[int]]] = {w.conn: (w, deque()) for w in self._workers}
-        deadlines: dict[Connection, float] = {}
-
-        def replace(conn: Connection) -> None:  # a new worker; the lost one's queued items (not its head) go back
-            w, queue = queues.pop(conn)
-            todo.extendleft(reversed(list(queue)[1:]))
-            deadlines.pop(conn, None)
-            new = self._replace(w)
-            queues[new.conn] = (new, deque())
-
+        batch = _Batch(self, grader, completions, golds, kwargs)
         try:
-            while todo or any(q for _, q in queues.values()):
-                for conn, (w, queue) in list(queues.items()):
-                    while todo and len(queue) < _PIPELINE:
-                        i = todo.popleft()
-                        try:
-                            w.conn.send((grader, completions[i], golds[i], kwargs))
-                        except (BrokenPipeError, ConnectionResetError):
-                            todo.appendleft(i)
-                            if not queue:  # died while idle (e.g. OOM-killed): a new worker takes the item
-                                replace(conn)
-                            break  # otherwise its pending replies, then EOF, are read below
-                        if not queue:
-                            deadlines[conn] = time.monotonic() + self.timeout
-                        queue.append(i)
-                if not deadlines:
-                    continue
-                wait(list(deadlines), timeout=max(0.0, min(deadlines.values()) - time.monotonic()))
-                now = time.monotonic()
-                for conn in list(deadlines):
-                    w, queue = queues[conn]
-                    while queue and conn.poll():
-                        try:
-                            result = conn.recv()
-                        except (EOFError, ConnectionResetError):  # it died mid-item (segfault, os._exit, OOM kill)
-                            self.stats["crashes"] += 1
-                            replace(conn)
-                            break
-                        if isinstance(result, str):
-                            raise RuntimeError(result)
-                        scores[queue.popleft()] = result
-                        deadlines[conn] = now + self.timeout  # the next queued item started about now
-                    else:
-                        if not queue:
-                            del deadlines[conn]
-                        elif deadlines[conn] <= now:
-                            self.stats["timeouts"] += 1
-                            replace(conn)
+            while batch.pending():
+                batch.send_ahead()
+                if batch.deadlines:
+                    batch.collect()
         except BaseException:
             self._finalizer()  # busy workers' late replies would be read as the next call's scores; restart all
             raise
-        return scores
+        return batch.scores
+
+
+class _Batch:
+    """One `grade` call's items over the pool's workers. Each worker holds up to _PIPELINE items, so it starts the
+    next one without waiting for a round trip to this process; only the item it is working on (the head of its
+    queue) has a deadline."""
+
+    def __init__(self, pool: GradingPool, grader: Grader, completions: list[str], golds: list[str],
+                 kwargs: dict[str, Any]):
+        self.pool, self.grader, self.completions, self.golds, self.kwargs = pool, grader, completions, golds, kwargs
+        self.scores = [(0.0, False)] * len(completions)
+        self.todo = deque(range(len(completions)))
+        self.queues: dict[Connection, tuple[_Worker, deque[int]]] = {w.conn: (w, deque()) for w in pool._workers}
+        self.deadlines: dict[Connection, float] = {}
+
+    def pending(self) -> bool:
+        return bool(self.todo) or any(q for _, q in self.queues.values())
+
+    def send_ahead(self) -> None:
+        """Fill every worker's queue from the items not yet sent."""
+        for conn, (w, queue) in list(self.queues.items()):
+            while self.todo and len(queue) < _PIPELINE:
+                i = self.todo.popleft()
+                try:
+                    w.conn.send((self.grader, self.completions[i], self.golds[i], self.kwargs))
+                except (BrokenPipeError, ConnectionResetError):
+                    self.todo.appendleft(i)
+                    if not queue:  # died while idle (e.g. OOM-killed): a new worker takes the item
+                        self._replace(conn)
+                    break  # otherwise its pending replies, then EOF, are read by collect
+                if not queue:
+                    self.deadlines[conn] = time.monotonic() + self.pool.timeout
+                queue.append(i)
+
+    def collect(self) -> None:
+        """Wait for the first reply or deadline; read every reply there is, replace dead and overdue workers."""
+        wait(list(self.deadlines), timeout=max(0.0, min(self.deadlines.values()) - time.monotonic()))
+        now = time.monotonic()
+        for conn in list(self.deadlines):
+            w, queue = self.queues[conn]
+            while queue and conn.poll():
+                try:
+                    result = conn.recv()
+                except (EOFError, ConnectionResetError):  # it died mid-item (segfault, os._exit, OOM kill)
+                    self.pool.stats["crashes"] += 1
+                    self._replace(conn)
+                    break
+                if isinstance(result, str):
+                    raise RuntimeError(result)
+                self.scores[queue.popleft()] = result
+                self.deadlines[conn] = now + self.pool.timeout  # the next queued item started about now
+            else:
+                if not queue:
+                    del self.deadlines[conn]
+                elif self.deadlines[conn] <= now:
+                    self.pool.stats["timeouts"] += 1
+                    self._replace(conn)
+
+    def _replace(self, conn: Connection) -> None:
+        """A new worker for a lost one; its queued items (not its head, which scores 0) go back to be sent."""
+        w, queue = self.queues.pop(conn)
+        self.todo.extendleft(reversed(list(queue)[1:]))
+        self.deadlines.pop(conn, None)
+        new = self.pool._replace(w)
+        self.queues[new.conn] = (new, deque())
