@@ -165,3 +165,20 @@ def test_long_prompts_are_dropped_with_a_warning(tiny_policy, questions, tmp_pat
         trainer = ExGRPOTrainer(model, tok, [lambda completions, **_: [0.0] * len(completions)], config,
                                 questions(4) + [long])
     assert sorted(trainer.pool.questions) == ["q0", "q1", "q2", "q3"]
+
+
+def test_frozen_lora_base_cast_once_gives_autocasts_values():
+    """The bf16 rollout's speed-up (one cast per rollout instead of one per decode step) changes no value."""
+    from exgrpo.config import LoraConfig
+    from exgrpo.learner.update import frozen_linear_weights_as
+    from exgrpo.models import apply_lora, load_policy
+
+    model = apply_lora(load_policy("tiny")[0], LoraConfig(r=4, alpha=8))
+    ids = torch.randint(0, model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(ids).logits
+        with frozen_linear_weights_as(model, torch.bfloat16):
+            cast = sum(p.dtype == torch.bfloat16 for p in model.parameters())
+            got = model(ids).logits
+    assert cast > 0 and torch.equal(got, want)
+    assert all(p.dtype == torch.float32 for p in model.parameters())

@@ -76,6 +76,28 @@ class UpdateResult:
     token_entropy: torch.Tensor  # (N, T) token entropies from the training forward passes (0 off completions)
 
 
+@contextlib.contextmanager
+def frozen_linear_weights_as(model: torch.nn.Module, dtype: torch.dtype, enabled: bool = True):
+    """Store the frozen Linear weights (a LoRA base) in `dtype` while the block runs, restored after.
+
+    Autocast caches its casts only of weights that require grad, so under autocast a frozen weight is cast again at
+    every call: at every decode step of a rollout. Cast once here, the matmuls see the same values (autocast casts
+    to the same dtype by the same rounding). Weights shared with an embedding are left alone: the lookup would then
+    return `dtype` activations, which autocast does not do.
+    """
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    frozen = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad
+              and m.weight.dtype != dtype and id(m.weight) not in embeddings] if enabled else []
+    originals = [w.data for w in frozen]
+    try:
+        for w in frozen:
+            w.data = w.data.to(dtype)
+        yield
+    finally:
+        for w, data in zip(frozen, originals):
+            w.data = data
+
+
 class PolicyUpdate:
     """Owns the (sharded or replicated) trainable model, its optimizer and scheduler, and applies one step's update.
 
@@ -159,7 +181,8 @@ class PolicyUpdate:
     @contextlib.contextmanager
     def rollout_weights(self):
         """The context to sample in with the training model: its full weights, in the compute precision."""
-        with self.full_weights(), self.compute_precision():
+        with self.full_weights(), self.compute_precision(), \
+                frozen_linear_weights_as(self.model, torch.bfloat16, enabled=self._autocast):
             yield
 
     def compute_precision(self):
