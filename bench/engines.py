@@ -72,6 +72,7 @@ def step_times(settings: list[str], steps: int, gflops: dict) -> None:
     """Each setting as a whole `exgrpo train` process, one after the other; medians of steps 2..steps."""
     from exgrpo.config import load_config
     from exgrpo.config.rules import compute_precision, engine_precision
+    from exgrpo.runtime.tracking import read_metrics
 
     prompt_tokens = 6 * mean_prompt_tokens()  # a group's prompt runs once, in the rollout and in the update
     for name in settings:
@@ -83,23 +84,20 @@ def step_times(settings: list[str], steps: int, gflops: dict) -> None:
         config = load_config(ROOT / "configs" / "demo.yaml", overrides[:-1])
         rate = {"bfloat16": gflops["bf16"] * 1e9, "float32": gflops["fp32"] * 1e9}
         params = 134_515_008 + 9_768_960  # SmolLM2-135M-Instruct + the demo's LoRA r32 (counted)
-        metrics = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()][1:]
-        for m in metrics:
+        records = []
+        for m in read_metrics(Path(run_dir) / "metrics.jsonl")[1:]:
             tokens = prompt_tokens + m["tokens_per_second"] * m["time/step"]
-            out({"bench": "engine_step", "setting": name, "step": m["step"],
-                 **{k: v for k, v in m.items() if k.startswith("time/")},
-                 "rollout_tokens_per_s": m["tokens_per_second"] * m["time/step"] / m["time/rollout"],
-                 "reward": m["reward"], "logp_diff_mean": m.get("rollout/logp_diff_mean"),
-                 "bound_rollout_s": 2 * params * tokens / rate[engine_precision(config)],
-                 "bound_update_s": 4 * params * tokens / rate[compute_precision(config)]})
-        keys = [k for k in metrics[0] if k.startswith("time/")]
-        summary = {f"median_{k}": statistics.median(m[k] for m in metrics) for k in keys}
-        summary["median_rollout_tokens_per_s"] = statistics.median(
-            m["tokens_per_second"] * m["time/step"] / m["time/rollout"] for m in metrics)
-        bound = statistics.median(
-            (2 / rate[engine_precision(config)] + 4 / rate[compute_precision(config)]) * params
-            * (prompt_tokens + m["tokens_per_second"] * m["time/step"]) for m in metrics)
-        out({"bench": "engine_step_summary", "setting": name, "steps": len(metrics), **summary, "bound_s": bound,
+            records.append({"bench": "engine_step", "setting": name, "step": m["step"],
+                            **{k: v for k, v in m.items() if k.startswith("time/")},
+                            "rollout_tokens_per_s": m["tokens_per_second"] * m["time/step"] / m["time/rollout"],
+                            "reward": m["reward"], "logp_diff_mean": m.get("rollout/logp_diff_mean"),
+                            "bound_rollout_s": 2 * params * tokens / rate[engine_precision(config)],
+                            "bound_update_s": 4 * params * tokens / rate[compute_precision(config)]})
+            out(records[-1])
+        keys = [k for k in records[0] if k.startswith(("time/", "bound_")) or k == "rollout_tokens_per_s"]
+        summary = {f"median_{k}": statistics.median(r[k] for r in records) for k in keys}
+        bound = statistics.median(r["bound_rollout_s"] + r["bound_update_s"] for r in records)
+        out({"bench": "engine_step_summary", "setting": name, "steps": len(records), **summary, "bound_s": bound,
              "step_over_bound": summary["median_time/step"] / bound})
 
 

@@ -20,8 +20,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from engines import SETTINGS
+from exgrpo.runtime.tracking import read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
-FASTEST = ["rollout.engine=vllm", "train.dtype=bf16", "rollout.max_model_len=256", "rollout.generation_batch_size=48"]
+FASTEST = SETTINGS["vllm-bf16-bf16"]  # the fastest row of bench/engines.py
 SAME_WORK = ["experience.ratio=0", "train.steps=5", "eval.every=0", "logging.progress=false",
              "logging.sample_every=0", "objective.scale_rewards=none", "objective.entropy_coef=0",
              "objective.epsilon_high=0.2", "train.weight_decay=0", "train.lr_scheduler=constant"]
@@ -39,8 +42,7 @@ def exgrpo_seconds(python: str, setting: list[str]) -> list[float]:
     subprocess.run([python, "-m", "exgrpo", "train", "--config", str(ROOT / "configs" / "demo.yaml"), *SAME_WORK,
                     *setting, f"logging.output_dir={run_dir}", "--overwrite"], cwd=ROOT, check=True,
                    stdout=subprocess.DEVNULL)
-    metrics = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [m["time/step"] for m in metrics if m["step"] >= 2]
+    return [m["time/step"] for m in read_metrics(Path(run_dir) / "metrics.jsonl") if m["step"] >= 2]
 
 
 def main() -> None:

@@ -36,7 +36,7 @@ def _train(args, overrides) -> int:
         config = load_config(args.config, overrides)
     with prepared_run(config, resume=bool(args.resume), log=_note) as (run, checkpoint):
         if checkpoint is not None:
-            run.trainer.resume(checkpoint)
+            run.trainer.resume(checkpoint, verified=True)
             _note(f"resumed from {checkpoint} at step {run.trainer.step}")
         run.trainer.train()
     return _stop_code(run.trainer.stopped_by)
@@ -54,7 +54,7 @@ def _note(message: str) -> None:
 def _demo(args, overrides) -> int:
     """Held-out accuracy before, ExGRPO training (with periodic held-out evaluation), after, a table and a report."""
     from exgrpo.studies.demo_report import before_after_rows, write_report
-    from exgrpo.training.metrics import mixed_phase_start
+    from exgrpo.studies.runner import mixed_phase_start
     from exgrpo.training.run import prepared_run
 
     console = Console()
@@ -242,9 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = lambda message, category, *rest: f"exgrpo: warning: {message}\n" \
         if issubclass(category, ExgrpoWarning) else library_format(message, category, *rest)
     try:
-        if args.command in ("experiment", "export"):
-            return _experiment(args) if args.command == "experiment" else _export(args)
-        return {"train": _train, "demo": _demo}[args.command](args, overrides)
+        return {"train": _train, "demo": _demo, "experiment": lambda a, _: _experiment(a),
+                "export": lambda a, _: _export(a)}[args.command](args, overrides)
     except ConfigError as e:
         print(f"exgrpo: config error: {e}", file=sys.stderr)
         return 2

@@ -32,6 +32,17 @@ class ConfigError(ExgrpoError, ValueError):
     """A config file or override that cannot be honoured; the message names the field."""
 
 
+def os_cause(error: BaseException) -> str:
+    """The operating system's words for a failed I/O call ("No space left on device"), found in the chain of errors
+    that writers such as torch.save raise over it; else the error's own message."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror
+        seen = seen.__cause__ or seen.__context__
+    return str(error)
+
+
 class Shutdown(contextlib.ExitStack):
     """An ExitStack whose clean-up cannot hide the error that ended its block: a callback failing while that error
     propagates is reported as a warning and the first error is the one raised."""

@@ -3,7 +3,6 @@ two phases of a run."""
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -49,7 +48,10 @@ class GroupRewards:
 
     @staticmethod
     def concat(parts: Sequence["GroupRewards"]) -> "GroupRewards":
-        """The rewards of several rounds' groups, one after the other; grading counts summed."""
-        return GroupRewards(np.concatenate([p.total for p in parts]),
-                            {k: np.concatenate([p.per_function[k] for p in parts]) for k in parts[0].per_function},
-                            dict(sum((Counter(p.grading) for p in parts), Counter())))
+        """The rewards of several rounds' (or ranks') groups, one after the other, parts without groups skipped;
+        grading counts summed over all parts, zeros kept (a count is logged whether or not it happened)."""
+        keys = dict.fromkeys(k for p in parts for k in p.grading)
+        graded = [p for p in parts if len(p.total)]
+        return GroupRewards(np.concatenate([p.total for p in graded]),
+                            {k: np.concatenate([p.per_function[k] for p in graded]) for k in graded[0].per_function},
+                            {k: sum(p.grading.get(k, 0) for p in parts) for k in keys})

@@ -15,6 +15,11 @@ from exgrpo.rewards.pool import GradingPool
 RewardFunc = Callable[..., list]
 
 
+def _in_process(pool: GradingPool | None) -> GradingPool:
+    """The given pool, or serial grading in this process without a timeout (math-verify's own apply)."""
+    return pool if pool is not None else GradingPool(num_workers=0, timeout=None)
+
+
 class MathReward:
     """Training reward (spec §6): math-verify against the `answer` column, 1.0 or 0.0."""
 
@@ -22,7 +27,7 @@ class MathReward:
 
     def __init__(self, think_gate: bool = False, pool: GradingPool | None = None):
         self.think_gate = think_gate
-        self.pool = pool if pool is not None else GradingPool(num_workers=0, timeout=None)
+        self.pool = _in_process(pool)
 
     def __call__(self, prompts: list, completions: list[str], completion_ids: list | None, *,
                  answer: list[str], **columns: Any) -> list[float]:
@@ -35,7 +40,7 @@ class ChoiceReward:
     name = "choice"
 
     def __init__(self, pool: GradingPool | None = None):
-        self.pool = pool if pool is not None else GradingPool(num_workers=0, timeout=None)
+        self.pool = _in_process(pool)
 
     def __call__(self, prompts: list, completions: list[str], completion_ids: list | None, *,
                  answer: list[str], **columns: Any) -> list[float]:
@@ -56,7 +61,7 @@ class ReasoningGymReward:
     name = "reasoning_gym"
 
     def __init__(self, pool: GradingPool | None = None):
-        self.pool = pool if pool is not None else GradingPool(num_workers=0, timeout=None)
+        self.pool = _in_process(pool)
 
     def __call__(self, prompts: list, completions: list[str], completion_ids: list | None = None, *,
                  rg_entry: list[dict] | None = None, **columns: Any) -> list[float]:

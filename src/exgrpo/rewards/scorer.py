@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-import numpy as np
-
 from exgrpo.records import Group, GroupRewards
 from exgrpo.rewards.functions import score_completions
 from exgrpo.rewards.health import RewardHealth
@@ -49,11 +47,6 @@ class GroupScorer:
         start, end = self.dist.shard_bounds(len(groups))
         mine = score_groups(groups[start:end], self.tokenizer, self.reward_funcs, self.reward_weights)
         mine.grading = self.grading_pool.pop_stats() if self.grading_pool is not None else {}
-        gathered = self.dist.gather([mine])
-        graded = [r for r in gathered if len(r.total)]  # a rank may have had no groups
-        rewards = GroupRewards(np.concatenate([r.total for r in graded]),
-                               {name: np.concatenate([r.per_function[name] for r in graded])
-                                for name in mine.per_function},
-                               {k: sum(r.grading[k] for r in gathered) for k in mine.grading})
+        rewards = GroupRewards.concat(self.dist.gather([mine]))  # a rank may have had no groups
         self.health.check(step, rewards.per_function, rewards.total, rewards.grading)
         return rewards

@@ -93,24 +93,40 @@ def policy_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     the parameters are the unsharded tensors.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    merged = {}
+    lora = {}
     if base is not model:
         from peft.tuners.lora import Linear as LoraLinear
 
-        for name, module in base.named_modules():
-            if isinstance(module, LoraLinear):
-                weight = module.base_layer.weight
-                delta = torch.zeros_like(weight)
-                # in the weights' own precision whatever the caller's autocast (the push runs in another thread)
-                with torch.autocast(weight.device.type, enabled=False):
-                    for adapter in module.active_adapters:  # peft's own delta: fan_in_fan_out layers transposed
-                        delta = delta + module.get_delta_weight(adapter).to(delta.dtype)
-                merged[f"{name}.weight"] = (weight + delta).detach()
+        lora = {f"{name}.weight": m for name, m in base.named_modules() if isinstance(m, LoraLinear)}
     for name, param in base.named_parameters(remove_duplicate=False):
         if ".lora_" in name:
             continue
         name = name.replace(".base_layer.", ".")
-        yield name, merged.get(name, param.detach())
+        yield name, _merged(lora[name]) if name in lora else param.detach()  # merged when yielded: one at a time
+
+
+def _merged(module) -> torch.Tensor:
+    """A LoRA layer's base weight plus its active adapters' deltas (peft's own: fan_in_fan_out layers transposed),
+    in the weight's own precision whatever the caller's autocast (the push runs in another thread)."""
+    weight = module.base_layer.weight
+    delta = torch.zeros_like(weight)
+    with torch.autocast(weight.device.type, enabled=False):
+        for adapter in module.active_adapters:
+            delta = delta + module.get_delta_weight(adapter).to(delta.dtype)
+    return (weight + delta).detach()
+
+
+def _fused_slots(engine) -> dict[str, tuple[str, int, int]]:
+    """Policy weight name -> (engine weight name, position among its fused parts, number of parts): vLLM fuses
+    q/k/v and gate/up into one weight (`packed_modules_mapping`)."""
+    packed = getattr(engine, "packed_modules_mapping", {})
+    slots = {}
+    for name, _ in engine.named_parameters():
+        module, _, leaf = name.rpartition(".")
+        parent, _, kind = module.rpartition(".")
+        parts = [f"{parent}.{p}.{leaf}" for p in packed[kind]] if kind in packed else [name]
+        slots.update({part: (name, i, len(parts)) for i, part in enumerate(parts)})
+    return slots
 
 
 def check_pushable(model) -> None:
@@ -165,6 +181,7 @@ class VLLMEngine:
             and torch.distributed.get_world_size() > 1
         self._dir = tempfile.mkdtemp(prefix="exgrpo-vllm-")
         self._stale, self._wanted_version, self.weights_version = False, 0, 0
+        self._slots: dict | None = None
         try:
             config = self._write_model()
             limit = getattr(config, "max_position_embeddings", None) or 4096
@@ -192,7 +209,8 @@ class VLLMEngine:
                         raise EngineError(f"vLLM cannot run {', '.join(config.architectures or ['this model'])}: "
                                           f"{str(e).splitlines()[-1].strip()[:300]}") from None
                     raise
-            self.placement = self._check_placement(launched)
+            if launched:
+                self._check_placement()
             self._check_runs()
         except BaseException:
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -213,18 +231,16 @@ class VLLMEngine:
         self.tokenizer.save_pretrained(self._dir)
         return base.config
 
-    def _check_placement(self, launched: bool) -> dict:
-        """The engine worker's {rank, local_rank, device}: under torchrun (`launched`) they must be this process's
-        RANK, LOCAL_RANK and device (an engine elsewhere would share another rank's GPU)."""
+    def _check_placement(self) -> None:
+        """Under torchrun the engine worker's rank, local rank and device must be this process's RANK, LOCAL_RANK
+        and device (an engine elsewhere would share another rank's GPU)."""
         placement = self.llm.collective_rpc(_worker_placement)[0]
         want = {"rank": int(os.environ.get("RANK", "0")), "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
                 "device": str(self.device)}
-        if launched:
-            if placement != want:
-                raise EngineError(f"the vLLM engine of rank {want['rank']} runs as {placement}, not on {want}")
-            print(f"exgrpo: rank {want['rank']}: vLLM engine on {placement['device']} (engine rank "
-                  f"{placement['rank']}, local rank {placement['local_rank']})", file=sys.stderr, flush=True)
-        return placement
+        if placement != want:
+            raise EngineError(f"the vLLM engine of rank {want['rank']} runs as {placement}, not on {want}")
+        print(f"exgrpo: rank {want['rank']}: vLLM engine on {placement['device']} (engine rank "
+              f"{placement['rank']}, local rank {placement['local_rank']})", file=sys.stderr, flush=True)
 
     def _check_runs(self) -> None:
         """One token through the engine: an unsupported shape (e.g. a head size the CPU kernels lack) fails here."""
@@ -296,13 +312,9 @@ class VLLMEngine:
         layer's weight packed in its GEMM handle (the parameter is empty), columns of it are read back exactly by
         multiplying unit vectors through that handle."""
         engine = self.llm.collective_rpc(_worker_model)[0]
-        packed = getattr(engine, "packed_modules_mapping", {})
-        slots = {}  # policy name -> (engine name, position among the fused parts, number of parts)
-        for name, _ in engine.named_parameters():
-            module, _, leaf = name.rpartition(".")
-            parent, _, kind = module.rpartition(".")
-            parts = [f"{parent}.{p}.{leaf}" for p in packed[kind]] if kind in packed else [name]
-            slots.update({part: (name, i, len(parts)) for i, part in enumerate(parts)})
+        if self._slots is None:  # the engine's layout never changes: mapped at the first check
+            self._slots = _fused_slots(engine)
+        slots = self._slots
         held, pending, differ, checked = dict(engine.named_parameters()), {}, [], 0
         for policy_name, tensor in policy_weights(self.model):  # streamed: one fused group held at a time
             if policy_name not in slots:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from exgrpo.runtime.atomic import fsync_tree
-from exgrpo.errors import CheckpointError, ExgrpoWarning, RunDirectoryError
+from exgrpo.errors import CheckpointError, ExgrpoWarning, RunDirectoryError, os_cause
 from exgrpo.experience.buffer import read_state, write_state
 from exgrpo.runtime.sharding import is_sharded, load_full_model_state
 
@@ -134,19 +134,8 @@ def save_checkpoint(run_dir: str | Path, step: int, write_model: Callable[[Path]
             _delete(old)
     except Exception as e:  # OSError, or a writer's own wrapper of one (safetensors, torch.save)
         shutil.rmtree(tmp, ignore_errors=True)
-        raise RunDirectoryError(f"cannot write checkpoint {final}: {_os_cause(e)}") from None
+        raise RunDirectoryError(f"cannot write checkpoint {final}: {os_cause(e)}") from None
     return final
-
-
-def _os_cause(error: BaseException) -> str:
-    """The operating system's words for a failed write ("No space left on device"), found in the chain of errors
-    that writers such as torch.save raise over it; else the error's own message."""
-    seen = error
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.strerror:
-            return seen.strerror
-        seen = seen.__cause__ or seen.__context__
-    return str(error)
 
 
 def _delete(checkpoint: Path) -> None:
@@ -175,11 +164,13 @@ def read_trainer_json(directory: str | Path) -> dict:
     return json.loads((Path(directory) / "trainer.json").read_text())
 
 
-def load_checkpoint(directory: str | Path, model) -> dict:
-    """Verify checkpoint `directory`, load its weights into `model`, restore the global RNGs, and return the
-    trainer state to pass to `ExGRPOTrainer.load_state_dict`."""
+def load_checkpoint(directory: str | Path, model, verified: bool = False) -> dict:
+    """Verify checkpoint `directory` (unless `verified`: the caller just did, with `latest_intact_checkpoint`),
+    load its weights into `model`, restore the global RNGs, and return the trainer state to pass to
+    `ExGRPOTrainer.load_state_dict`."""
     directory = Path(directory)
-    problem = verify_checkpoint(directory) if (directory / _MANIFEST).is_file() else None  # else: unverified
+    unverifiable = verified or not (directory / _MANIFEST).is_file()  # no manifest: resumed unverified
+    problem = None if unverifiable else verify_checkpoint(directory)
     if problem is not None:
         raise CheckpointError(f"checkpoint {directory} is not intact: {problem}")
     trainer = read_trainer_json(directory)

@@ -15,7 +15,7 @@ import socket
 import time
 from pathlib import Path
 
-from exgrpo.errors import RunDirectoryError
+from exgrpo.errors import RunDirectoryError, os_cause
 
 #: What a run writes into its directory (besides the lock).
 RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "checkpoints", "tensorboard")
@@ -36,7 +36,7 @@ def writable_directory(directory: str | os.PathLike) -> Path:
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise RunDirectoryError(f"logging.output_dir {path}: cannot write there ({e.strerror or e})") from None
+        raise RunDirectoryError(f"logging.output_dir {path}: cannot write there ({os_cause(e)})") from None
     return path
 
 

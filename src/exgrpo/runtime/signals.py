@@ -19,11 +19,10 @@ class StopNow(BaseException):
 
 class StopRequest:
     """A context in which SIGINT/SIGTERM set `requested` (the signal's name) instead of interrupting; the first
-    says so on stderr at once, a second raises `StopNow`. `unit` names what finishes first (for that line)."""
+    says so on stderr at once, a second raises `StopNow`."""
 
-    def __init__(self, unit: str = "this step"):
+    def __init__(self):
         self.requested: str | None = None
-        self.unit = unit
         self._previous: dict = {}
 
     def _handle(self, signum, frame):
@@ -32,7 +31,7 @@ class StopRequest:
             raise StopNow(name)
         self.requested = name
         # os.write, not print: a handler that runs while the main thread is inside a print would re-enter it.
-        os.write(2, f"exgrpo: {name}: stopping after {self.unit} (a checkpoint follows); {name} again stops at "
+        os.write(2, f"exgrpo: {name}: stopping after this step (a checkpoint follows); {name} again stops at "
                     "once, from the last checkpoint\n".encode())
 
     def __enter__(self):

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from exgrpo.runtime.atomic import write_text_atomic
-from exgrpo.errors import RunDirectoryError
+from exgrpo.errors import RunDirectoryError, os_cause
 
 
 class Tracker:
@@ -77,7 +77,7 @@ class Tracker:
             file.flush()
         except OSError as e:
             self._write_failed = True
-            raise RunDirectoryError(f"cannot write {file.name}: {e.strerror or e}") from None
+            raise RunDirectoryError(f"cannot write {file.name}: {os_cause(e)}") from None
 
     def print(self, *args) -> None:
         self.console.print(*args)

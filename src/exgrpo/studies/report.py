@@ -11,8 +11,7 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from exgrpo.studies.runner import RunResult, Study, load_results  # noqa: E402
-from exgrpo.training.metrics import mixed_phase_start  # noqa: E402
+from exgrpo.studies.runner import RunResult, Study, load_results, mixed_phase_start  # noqa: E402
 from exgrpo.studies.statistics import paired_difference, t_interval, verdict  # noqa: E402
 
 

@@ -30,6 +30,11 @@ _STUDY_KEYS = {"base", "output_dir", "seeds", "overrides", "baseline", "arms"}
 _ARM_KEYS = {"label", "overrides", "seeds"}
 
 
+def mixed_phase_start(history: list[dict]) -> int | None:
+    """The first step (1-based) of a run's metric lines that ran in the mixed phase; None if none did."""
+    return next((m.get("step", i + 1) for i, m in enumerate(history) if m["phase"] == "mixed"), None)
+
+
 @dataclass(frozen=True)
 class Arm:
     name: str
@@ -162,7 +167,7 @@ def run_study(study: Study, arms: list[str] | None = None, seeds: list[int] | No
             with prepared_run(config, resume=True, log=note) as (run, checkpoint):
                 note(f"resuming at step {done}" if checkpoint else "starting")
                 if checkpoint is not None:
-                    run.trainer.resume(checkpoint)
+                    run.trainer.resume(checkpoint, verified=True)
                 initial = study.initial_eval_path(config)
                 if checkpoint is None and not initial.exists():
                     accuracy = run.trainer.evaluate()

@@ -227,11 +227,6 @@ def step_metrics(record: StepRecord, buffer: ExperienceBuffer, *, fresh_remainin
     return metrics
 
 
-def mixed_phase_start(history: Sequence[dict]) -> int | None:
-    """The first step (1-based) of a run's metric lines that ran in the mixed phase; None if none did."""
-    return next((m.get("step", i + 1) for i, m in enumerate(history) if m["phase"] == "mixed"), None)
-
-
 def sample_lines(groups: Sequence[Group], rewards: np.ndarray, tokenizer, limit: int = 4) -> list[dict]:
     """samples.jsonl lines: the first member of the step's first `limit` groups, decoded, with its reward."""
     out = []

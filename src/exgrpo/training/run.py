@@ -79,7 +79,7 @@ def _loaded(field: str, source: str, questions) -> str:
 
 def start_point(config: ExGRPOConfig, resume: bool, log: Callable[[str], None] = print
                 ) -> tuple[ExGRPOConfig, Path | None]:
-    """Lock the run directory and decide where the run starts: (config to run, checkpoint to resume from or None).
+    """Decide where the run starts: (config to run, checkpoint to resume from or None).
 
     Fresh (`resume` false): the directory must not hold another run unless logging.overwrite. Resume: the newest
     intact checkpoint (broken newer ones are reported); none at all but a run that died before its first
@@ -88,8 +88,6 @@ def start_point(config: ExGRPOConfig, resume: bool, log: Callable[[str], None] =
     """
     directory = config.logging.output_dir
     main = launched_rank() == 0  # under data parallelism rank 0 owns the directory; the others only read it
-    if main:
-        lock_run_directory(directory)
     if not resume:
         if main and not config.logging.overwrite:
             refuse_existing_run(directory)
@@ -118,10 +116,13 @@ def start_point(config: ExGRPOConfig, resume: bool, log: Callable[[str], None] =
 @contextlib.contextmanager
 def prepared_run(config: ExGRPOConfig, resume: bool, log: Callable[[str], None] = print
                  ) -> Iterator[tuple[Run, Path | None]]:
-    """`start_point` then `build_run`: (the run, the checkpoint to resume from or None). The run directory stays
-    locked until the block ends, then the engine and grading pool are closed and the lock released."""
+    """Lock the run directory, then `start_point` and `build_run`: (the run, the checkpoint to resume from or None).
+    The directory stays locked until the block ends, then the engine and grading pool are closed and the lock
+    released. Under data parallelism rank 0 owns the directory."""
     with Shutdown() as cleanup:
-        cleanup.callback(unlock_run_directory, config.logging.output_dir)
+        if launched_rank() == 0:
+            lock_run_directory(config.logging.output_dir)
+            cleanup.callback(unlock_run_directory, config.logging.output_dir)
         config, checkpoint = start_point(config, resume, log)
         run = build_run(config, log)
         cleanup.callback(run.close)

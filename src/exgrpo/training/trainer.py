@@ -339,11 +339,12 @@ class ExGRPOTrainer:
                             state, self.config.train.save_total_limit)
         self.dist.barrier()
 
-    def resume(self, directory) -> None:
-        """Continue from a checkpoint directory (exgrpo.runtime.checkpoint); the config must be the run's own (see
-        `exgrpo.training.run.start_point`). Logged lines of later steps are dropped: they will be logged again."""
+    def resume(self, directory, verified: bool = False) -> None:
+        """Continue from a checkpoint directory (exgrpo.runtime.checkpoint), checked against its manifest unless
+        `verified` (by `exgrpo.training.run.start_point`, which also checks that the config is the run's own).
+        Logged lines of later steps are dropped: they will be logged again."""
         require_on_every_rank(self.dist, Path(directory))
-        self.load_state_dict(load_checkpoint(directory, self.model))
+        self.load_state_dict(load_checkpoint(directory, self.model, verified))
         self._resumed = True
         if self.dist.is_main:
             truncate_metrics(self.config.logging.output_dir, self.step)
