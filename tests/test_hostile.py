@@ -259,6 +259,9 @@ CASES = {  # name: (case, exit code, message on stderr)
     "unwritable output directory": (lambda d: train("/dev/null/run"), 2, "/dev/null/run: cannot write there"),
     "disk full while checkpointing": (disk_full_while_checkpointing, 2, "cannot write checkpoint"),
     "disk full while logging": (disk_full_while_logging, 2, "metrics.jsonl: File too large"),
+    "buffer of a directory that is no run": (lambda d: run_cli(["buffer", str(d.parent)]), 2,
+                                             "neither a run directory with checkpoints nor a checkpoint (no "
+                                             "buffer.safetensors in it)"),
     "benchmark test questions as held-out data": (benchmark_questions_held_out, 2,
                                                   "are benchmark test questions"),
     "benchmark test questions as training data": (benchmark_questions_trained_on, 2,

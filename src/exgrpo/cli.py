@@ -1,9 +1,11 @@
 """`exgrpo train|demo --config F [section.field=value ...]`, `exgrpo eval --model M --benchmarks B ...`,
-`exgrpo experiment run|report STUDY` and `exgrpo export RUN_OR_CHECKPOINT OUT [--merge]`."""
+`exgrpo experiment run|report STUDY`, `exgrpo export RUN_OR_CHECKPOINT OUT [--merge]` and
+`exgrpo buffer RUN_OR_CHECKPOINT [--json]`."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import signal
 import sys
@@ -116,25 +118,66 @@ def _experiment(args) -> int:
     return 0
 
 
-def _export(args) -> int:
-    """A standalone model directory from a run (its newest intact checkpoint) or a checkpoint."""
-    from exgrpo.models import export_policy
+def _checkpoint(run_or_checkpoint: str, needed: str) -> Path:
+    """The newest intact checkpoint of a run directory, or the checkpoint directory itself; it must hold `needed`."""
     from exgrpo.runtime.checkpoint import latest_intact_checkpoint
 
-    source = Path(args.source)
+    source = Path(run_or_checkpoint)
     if (source / "checkpoints").is_dir():
         checkpoint = latest_intact_checkpoint(source)
         if checkpoint is None:
-            raise ExgrpoError(f"{source}: no intact checkpoint to export")
+            raise ExgrpoError(f"{source}: no intact checkpoint in {source / 'checkpoints'}")
         source = checkpoint
-    if not (source / "model").is_dir():
-        raise ExgrpoError(f"{source}: neither a run directory with checkpoints nor a checkpoint (no model/ in it)")
+    if not (source / needed).exists():
+        raise ExgrpoError(f"{source}: neither a run directory with checkpoints nor a checkpoint (no {needed} in it)")
+    return source
+
+
+def _export(args) -> int:
+    """A standalone model directory from a run (its newest intact checkpoint) or a checkpoint."""
+    from exgrpo.models import export_policy
+
+    source = _checkpoint(args.source, "model")
     out = Path(args.out)
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise ExgrpoError(f"{out} is not empty; pick another directory, or pass --overwrite")
     export_policy(source / "model", out, merge=args.merge)
     _note(f"exported {source} to {out}" + (" (LoRA merged)" if args.merge else ""))
     return 0
+
+
+def _buffer(args) -> int:
+    """What the experience buffer of a run (its newest intact checkpoint) or a checkpoint holds."""
+    from exgrpo.experience.buffer import ExperienceBuffer
+    from exgrpo.experience.summary import buffer_summary, print_summary
+    from exgrpo.runtime.checkpoint import read_trainer_json
+
+    source = _checkpoint(args.source, "buffer.safetensors")
+    decode = None
+    if (source / "model").is_dir() and args.examples:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(source / "model")
+        decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    summary = buffer_summary(ExperienceBuffer.load(source / "buffer.safetensors"), read_trainer_json(source)["step"],
+                             args.examples, decode)
+    if args.json:
+        print(json.dumps({"checkpoint": str(source), **summary}, indent=2))
+    else:
+        print_summary(summary, str(source))
+    return 0
+
+
+def _add_buffer_parser(sub) -> None:
+    p = sub.add_parser("buffer", help="what a run's experience buffer holds",
+                       description="Print the experience buffer of the newest intact checkpoint of RUN (or of "
+                                   "CHECKPOINT): questions and trajectories per correctness bucket, the "
+                                   "trajectories' ages and use counts, and a few questions' stored trajectories "
+                                   "decoded, with their recorded behaviour log-probs.")
+    p.add_argument("source", metavar="RUN_OR_CHECKPOINT")
+    p.add_argument("--examples", type=int, default=3, metavar="N",
+                   help="questions whose trajectories are listed (those holding the most; default 3)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
 
 
 def _add_export_parser(sub) -> None:
@@ -214,6 +257,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_eval_parser(sub)
     _add_experiment_parser(sub)
     _add_export_parser(sub)
+    _add_buffer_parser(sub)
     return parser
 
 
@@ -231,7 +275,7 @@ def _check_eval_args(parser: argparse.ArgumentParser, args) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, overrides = parser.parse_known_args(argv)
-    if overrides and args.command in ("eval", "experiment", "export"):
+    if overrides and args.command in ("eval", "experiment", "export", "buffer"):
         parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     if args.command == "eval":
         _check_eval_args(parser, args)
@@ -243,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         if issubclass(category, ExgrpoWarning) else library_format(message, category, *rest)
     try:
         return {"train": _train, "demo": _demo, "experiment": lambda a, _: _experiment(a),
-                "export": lambda a, _: _export(a)}[args.command](args, overrides)
+                "export": lambda a, _: _export(a), "buffer": lambda a, _: _buffer(a)}[args.command](args, overrides)
     except ConfigError as e:
         print(f"exgrpo: config error: {e}", file=sys.stderr)
         return 2

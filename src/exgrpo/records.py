@@ -21,6 +21,7 @@ class Member:
     replay: Trajectory | None = None  # set on the replayed member of an experiential group
     engine_logprobs: list[float] | None = None  # the engine's log-prob of each sampled token, if it reports them
     demonstration: bool = False  # an external reference solution from the data (guidance), not sampled
+    policy_version: int | None = None  # the weights version (applied optimizer steps) that sampled it
 
     @property
     def sampled(self) -> bool:

@@ -197,6 +197,34 @@ def test_save_load_roundtrip_uses_no_pickle(tmp_path):
     assert b"pickle" not in path.read_bytes()[:200] and not list(tmp_path.glob("*.tmp"))
 
 
+def test_versions_and_use_counts_are_stored_counted_and_saved(tmp_path):
+    buf = ExperienceBuffer(K)
+    seqs = [_traj(100 * i + 1, 100 * i + 2) for i in range(K)]
+    buf.update_group("q", [True, True] + [False] * 6, [s[0] for s in seqs], [s[1] for s in seqs], step=3, version=7)
+    buf.record_replay("q", seqs[1][0])
+    buf.record_replay("q", seqs[1][0])
+    assert [(t.step, t.version, t.uses) for t in buf.trajectories("q")] == [(3, 7, 0), (3, 7, 2)]
+    with pytest.raises(KeyError, match="stores no trajectory"):
+        buf.record_replay("q", seqs[5][0])
+    buf.save(tmp_path / "b.safetensors")
+    assert [t.uses for t in ExperienceBuffer.load(tmp_path / "b.safetensors").trajectories("q")] == [0, 2]
+
+
+def test_a_format_1_buffer_loads_with_versions_unrecorded(tmp_path):
+    """Checkpoints written before versions and use counts were recorded still resume."""
+    from exgrpo.experience.buffer import read_state, write_state
+
+    buf = ExperienceBuffer(K)
+    _group(buf, "q", [True] + [False] * 7, step=2)
+    state = buf.state_dict()
+    state["meta"]["format_version"] = 1
+    state["arrays"] = {k: v for k, v in state["arrays"].items() if k not in ("version", "uses")}
+    write_state(state, tmp_path / "old.safetensors")
+    old = ExperienceBuffer(K)
+    old.load_state_dict(read_state(tmp_path / "old.safetensors"))
+    assert [(t.step, t.version, t.uses) for t in old.trajectories("q")] == [(2, -1, 0)]
+
+
 def test_load_rejects_foreign_file(tmp_path):
     from safetensors.numpy import save_file
 

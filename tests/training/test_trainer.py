@@ -1,5 +1,6 @@
 """The trainer on a tiny random-weight model: phases, buffer, replay, retirement, learning."""
 
+import json
 import math
 
 import numpy as np
@@ -100,6 +101,51 @@ def test_entropy_of_replayed_and_fresh_correct_trajectories():
         expected = float((entropy[rows] * mask[rows]).sum() / mask[rows].sum())
         assert metrics[name] == pytest.approx(expected, rel=1e-4), name
     assert metrics["entropy/replayed"] != metrics["entropy/fresh_correct"]
+
+
+def test_replays_know_their_age_version_and_use_count_and_exgrpo_buffer_shows_them():
+    """Every stored trajectory records the step and weights version that produced it and how often it was trained
+    on as a replay; replay metrics give the age; `exgrpo buffer RUN --json` reports the same buffer."""
+    from collections import Counter
+
+    from conftest import run_cli
+
+    trainer = _trainer(_config(train={"steps": 6}))  # two mini-batches: the version advances 2 per step
+    uses, seen = Counter(), []
+
+    def on_step(step, metrics):
+        replays = [g for g in trainer.last_step.groups if g.members[0].replay is not None]
+        for g in replays:
+            t = g.members[0].replay
+            assert t.version == 2 * t.step and g.members[1].policy_version == 2 * (step - 1)
+            assert t.uses == uses[g.question.id, t.token_ids.tobytes()]  # earlier replays of it, counted
+            uses[g.question.id, t.token_ids.tobytes()] += 1
+        if replays:
+            ages = [step - 1 - g.members[0].replay.step for g in replays]
+            assert metrics["replay/age_mean"] == pytest.approx(np.mean(ages)) and min(ages) >= 1
+            assert metrics["replay/version_lag_mean"] == pytest.approx(2 * np.mean(ages))
+            seen.append(step)
+
+    trainer.train(on_step=on_step)
+    assert len(seen) >= 3
+    stored = {(q, t.token_ids.tobytes()): t for q in trainer.buffer.questions() for t in trainer.buffer.trajectories(q)}
+    assert all(t.uses == uses[key] for key, t in stored.items()) and any(t.uses > 0 for t in stored.values())
+
+    result = run_cli(["buffer", "run", "--json", "--examples", "2"])
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["step"] == 6 and summary["questions"] == len(trainer.buffer)
+    assert summary["trajectories"] == len(stored) and summary["retired"] == trainer.buffer.num_retired
+    assert sum(summary["uses_histogram"].values()) == len(stored)
+    assert summary["uses_histogram"].get("0", 0) == sum(t.uses == 0 for t in stored.values())
+    assert sum(b["questions"] for b in summary["buckets"]) == len(trainer.buffer)
+    example = summary["examples"][0]
+    first = trainer.buffer.trajectories(example["question_id"])[0]
+    assert example["trajectories"][0]["text"] == trainer.tokenizer.decode(first.token_ids.tolist(),
+                                                                         skip_special_tokens=True)
+    assert example["trajectories"][0]["age"] == 6 - first.step
+    tables = run_cli(["buffer", "run"])
+    assert tables.returncode == 0 and "buckets" in tables.stdout and example["question_id"] in tables.stdout
 
 
 def test_threshold_not_crossed_stays_in_warmup():

@@ -2,7 +2,7 @@
 
 Storage is columnar so that memory grows with stored tokens only: every trajectory's token ids (int32) and
 behaviour log-probs (float32) live in two flat arrays, 8 bytes per token, and a few per-trajectory columns
-(offset, length, owner question, collection step) index into them. Dropped trajectories leave holes that are
+(offset, length, owner question, collection step, policy version, replay count) index into them. Dropped trajectories leave holes that are
 compacted away once they make up half of the arrays.
 
 Collection rule (spec §2): a group of K rollouts with k correct is collected iff ``lbound < k <= rbound``
@@ -22,16 +22,19 @@ import numpy as np
 
 from exgrpo.runtime.atomic import replaced_on_success
 
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: per-trajectory policy version and replay count
 
 
 @dataclass
 class Trajectory:
-    """One stored trajectory: response token ids, their behaviour log-probs and the step it was collected at."""
+    """One stored trajectory: response token ids, their behaviour log-probs, the step it was collected at, the
+    policy version (applied optimizer steps) that sampled it, and how often it was trained on as a replay before."""
 
     token_ids: np.ndarray  # (T,) int32
     logprobs: np.ndarray  # (T,) float32
     step: int
+    version: int = -1  # -1: not recorded
+    uses: int = 0
 
 
 @dataclass(slots=True)  # one per question: slots keep the per-question overhead small
@@ -126,6 +129,8 @@ class ExperienceBuffer:
         self._offset = _GrowableArray(np.int64)
         self._length = _GrowableArray(np.int32)
         self._step = _GrowableArray(np.int32)
+        self._version = _GrowableArray(np.int32)
+        self._uses = _GrowableArray(np.int32)
         self._owner = _GrowableArray(np.int64)  # -1 once dropped
         self._owner_names: list[str] = []  # owner index -> question id
         self._owner_index: dict[str, int] = {}
@@ -182,13 +187,18 @@ class ExperienceBuffer:
             token_ids=self._tokens.data[start : start + length].copy(),
             logprobs=self._logprobs.data[start : start + length].copy(),
             step=int(self._step.data[slot]),
+            version=int(self._version.data[slot]),
+            uses=int(self._uses.data[slot]),
         )
 
     @property
     def nbytes(self) -> int:
         """Bytes held by the columnar arrays (capacity included)."""
-        columns = (self._tokens, self._logprobs, self._offset, self._length, self._step, self._owner)
-        return sum(a.nbytes for a in columns)
+        return sum(a.nbytes for a in self._columns().values())
+
+    def _columns(self) -> dict[str, _GrowableArray]:
+        return {"tokens": self._tokens, "logprobs": self._logprobs, "offset": self._offset, "length": self._length,
+                "step": self._step, "version": self._version, "uses": self._uses, "owner": self._owner}
 
     # ------------------------------------------------------------------ updates
     def update_group(
@@ -198,6 +208,7 @@ class ExperienceBuffer:
         token_ids: Sequence[np.ndarray] | None = None,
         logprobs: Sequence[np.ndarray] | None = None,
         step: int = 0,
+        version: int = -1,
     ) -> str:
         """Apply one group's outcome. Returns what happened: "retired", "collected", "skipped" or "ignored".
 
@@ -207,6 +218,7 @@ class ExperienceBuffer:
             token_ids: per member, its response token ids; needed only for correct members.
             logprobs: per member, the behaviour log-probs of those tokens (same lengths).
             step: the training step, stored with new trajectories.
+            version: the policy version (applied optimizer steps) that sampled the group's rollouts.
         """
         if len(correct) != self.num_generations:
             raise ValueError(f"group of {question_id!r} has {len(correct)} members, expected {self.num_generations}")
@@ -224,9 +236,25 @@ class ExperienceBuffer:
         for ok, ids, lps in zip(correct, token_ids, logprobs):
             if ok:
                 ids, lps = np.asarray(ids, dtype=np.int32), np.asarray(lps, dtype=np.float32)
-                self._add_trajectory(question_id, ids, lps, step)
+                self._add_trajectory(question_id, ids, lps, step, version)
         self._enforce_question_cap()
         return "collected"
+
+    def record_replay(self, question_id: str, token_ids: np.ndarray) -> None:
+        """Count one use of the stored trajectory of `question_id` with these token ids (a replay trained on)."""
+        q = self._questions.get(question_id)
+        slot = None if q is None else self._slot_of(q, np.asarray(token_ids, dtype=np.int32))
+        if slot is None:
+            raise KeyError(f"question {question_id!r} stores no trajectory with these {len(token_ids)} tokens")
+        self._uses.data[slot] += 1
+
+    def _slot_of(self, q: _Question, ids: np.ndarray) -> int | None:
+        for slot in q.slots:  # a question holds few trajectories
+            if self._length.data[slot] == len(ids):
+                start = int(self._offset.data[slot])
+                if np.array_equal(self._tokens.data[start : start + len(ids)], ids):
+                    return slot
+        return None
 
     def retire(self, question_id: str) -> None:
         """Retire a question for good: drop its entries; it is never sampled again."""
@@ -257,17 +285,14 @@ class ExperienceBuffer:
             members[i] = last
             self._position[last] = i
 
-    def _add_trajectory(self, question_id: str, ids: np.ndarray, lps: np.ndarray, step: int) -> None:
+    def _add_trajectory(self, question_id: str, ids: np.ndarray, lps: np.ndarray, step: int, version: int) -> None:
         if ids.shape != lps.shape or ids.ndim != 1:
             raise ValueError(f"token_ids {ids.shape} and logprobs {lps.shape} must be equal-length 1-D arrays")
         if len(ids) == 0:
             raise ValueError(f"empty trajectory for question {question_id!r}")
         q = self._questions[question_id]
-        for slot in q.slots:  # dedup by token ids; a question holds few trajectories
-            if self._length.data[slot] == len(ids):
-                start = int(self._offset.data[slot])
-                if np.array_equal(self._tokens.data[start : start + len(ids)], ids):
-                    return
+        if self._slot_of(q, ids) is not None:  # dedup by token ids
+            return
         owner = self._owner_index.get(question_id)
         if owner is None:
             owner = self._owner_index[question_id] = len(self._owner_names)
@@ -277,6 +302,8 @@ class ExperienceBuffer:
         slot = self._offset.extend(np.array([offset], dtype=np.int64))
         self._length.extend(np.array([len(ids)], dtype=np.int32))
         self._step.extend(np.array([step], dtype=np.int32))
+        self._version.extend(np.array([version], dtype=np.int32))
+        self._uses.extend(np.array([0], dtype=np.int32))
         self._owner.extend(np.array([owner], dtype=np.int64))
         q.slots.append(slot)
         cap = self.max_trajectories_per_question
@@ -316,8 +343,8 @@ class ExperienceBuffer:
         self._logprobs.reset(self._logprobs.view()[token_index])
         self._offset.reset(new_offsets)
         self._length.reset(lengths)
-        self._step.reset(self._step.view()[alive])
-        self._owner.reset(self._owner.view()[alive])
+        for column in (self._step, self._version, self._uses, self._owner):
+            column.reset(column.view()[alive])
         new_slot = {int(old): new for new, old in enumerate(alive)}
         for q in self._questions.values():
             q.slots = [new_slot[s] for s in q.slots]
@@ -344,19 +371,15 @@ class ExperienceBuffer:
             "retired": sorted(self._retired),
             "owners": self._owner_names,
         }
-        arrays = {
-            "tokens": self._tokens.view().copy(),
-            "logprobs": self._logprobs.view().copy(),
-            "offset": self._offset.view().copy(),
-            "length": self._length.view().copy(),
-            "step": self._step.view().copy(),
-            "owner": self._owner.view().copy(),
-        }
+        arrays = {name: column.view().copy() for name, column in self._columns().items()}
         return {"meta": meta, "arrays": arrays}
 
     def load_state_dict(self, state: dict) -> None:
         meta, arrays = state["meta"], state["arrays"]
-        if meta.get("format_version") != _FORMAT_VERSION:
+        if meta.get("format_version") == 1:  # written before versions and use counts were recorded
+            n = len(arrays["step"])
+            arrays = {**arrays, "version": np.full(n, -1, np.int32), "uses": np.zeros(n, np.int32)}
+        elif meta.get("format_version") != _FORMAT_VERSION:
             raise ValueError(f"unsupported experience buffer format {meta.get('format_version')!r}")
         if meta["num_generations"] != self.num_generations:
             raise ValueError(
@@ -366,12 +389,8 @@ class ExperienceBuffer:
             meta["num_generations"], meta["lbound"], meta["rbound"],
             meta["max_trajectories_per_question"], meta["max_questions"],
         )
-        self._tokens.reset(arrays["tokens"])
-        self._logprobs.reset(arrays["logprobs"])
-        self._offset.reset(arrays["offset"])
-        self._length.reset(arrays["length"])
-        self._step.reset(arrays["step"])
-        self._owner.reset(arrays["owner"])
+        for name, column in self._columns().items():
+            column.reset(arrays[name])
         self._owner_names = list(meta["owners"])
         self._owner_index = {qid: i for i, qid in enumerate(self._owner_names)}
         for entry in meta["questions"]:
@@ -403,7 +422,7 @@ class ExperienceBuffer:
             for t in self.trajectories(qid):
                 h.update(t.token_ids.tobytes())
                 h.update(t.logprobs.tobytes())
-                h.update(str(t.step).encode())
+                h.update(f"{t.step}|{t.version}|{t.uses}".encode())
         h.update("|".join(sorted(self._retired)).encode())
         return h.hexdigest()
 

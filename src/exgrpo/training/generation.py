@@ -115,7 +115,7 @@ class GenerationRounds:
         for _ in range(self.max_rounds):
             sampled = len(groups) * self.K - sum(len(g.members) for g in groups)
             with timer("rollout"):
-                self.roll_out(groups, step, first_group=stats.groups)
+                self.roll_out(groups, step, first_group=stats.groups, version=weights_version)
             self._check_version(weights_version)
             with timer("reward"):
                 rewards = self.scorer(groups, step + 1)
@@ -145,9 +145,9 @@ class GenerationRounds:
             raise EngineError(f"the rollout engine sampled from weights version {held}, but the learner is at version "
                               f"{wanted} (applied optimizer steps): a weight sync did not happen")
 
-    def roll_out(self, groups: list[Group], step: int, first_group: int = 0) -> None:
-        """Fill every group up to K members with fresh samples. Each rank samples its shard of the groups and every
-        rank receives all of them."""
+    def roll_out(self, groups: list[Group], step: int, first_group: int = 0, version: int | None = None) -> None:
+        """Fill every group up to K members with fresh samples (tagged with the weights `version` they come from).
+        Each rank samples its shard of the groups and every rank receives all of them."""
         start, end = self.dist.shard_bounds(len(groups))
         requests = [(gi, j) for gi in range(start, end) for j in range(len(groups[gi].members), self.K)]
         with self.weights():
@@ -157,4 +157,4 @@ class GenerationRounds:
         sampled = self.dist.gather(list(zip(rollouts.completion_ids, rollouts.truncated, engine_logprobs)))
         slots = [g for g in groups for _ in range(self.K - len(g.members))]
         for g, (ids, truncated, logprobs) in zip(slots, sampled):
-            g.members.append(Member(ids, truncated, engine_logprobs=logprobs))
+            g.members.append(Member(ids, truncated, engine_logprobs=logprobs, policy_version=version))

@@ -89,6 +89,13 @@ METRICS: tuple[Metric, ...] = tuple(
         ("replay/ratio_max", "Maximum of w over replayed tokens."),
         ("replay/shaped_weight_mean", "Mean of the policy-shaped weight f(w) = w / (w + β) over replayed tokens (w "
                                       "itself with `objective.policy_shaping: false`)."),
+        ("replay/age_mean", "Mean age in steps of the step's replayed trajectories (this step minus the step that "
+                            "collected them; 1 is the youngest possible). Only in steps that replay."),
+        ("replay/age_max", "The oldest replayed trajectory's age in steps."),
+        ("replay/version_lag_mean", "Mean of (the weights version sampling this step) − (the version that sampled "
+                                    "the replayed trajectory): how many optimizer steps behind the replay is."),
+        ("replay/uses_mean", "Mean number of earlier steps that trained on the replayed trajectories (0: first "
+                             "replay)."),
     ) + _section(
         "Generation rounds (`rollout.zero_variance`)",
         ("generation/rounds", "Rounds of generation in the step (1 with `keep`)."),
@@ -183,11 +190,11 @@ class StepRecord:
     generation: Generation
 
 
-def step_metrics(record: StepRecord, buffer: ExperienceBuffer, *, fresh_remaining: int, learning_rate: float,
-                 skipped_updates: int, solved: int, guidance: bool, timings: dict[str, float],
+def step_metrics(record: StepRecord, buffer: ExperienceBuffer, *, step: int, fresh_remaining: int,
+                 learning_rate: float, skipped_updates: int, solved: int, guidance: bool, timings: dict[str, float],
                  elapsed: float) -> dict:
-    """The metrics of one step (see METRICS), the buffer and counters as they are after it; `timings` holds the
-    `time/<stage>` seconds, `elapsed` the step's wall time."""
+    """The metrics of one step (0-based index `step`; see METRICS), the buffer and counters as they are after it;
+    `timings` holds the `time/<stage>` seconds, `elapsed` the step's wall time."""
     groups, rewards, batch = record.groups, record.rewards, record.batch
     lengths = batch.completion_mask.sum(-1)
     truncated = [m.truncated for g in groups for m in g.members if m.sampled]
@@ -221,9 +228,25 @@ def step_metrics(record: StepRecord, buffer: ExperienceBuffer, *, fresh_remainin
         **record.generation.metrics(),
         "coverage/solved": float(solved),
         **trajectory_entropy_metrics(groups, record.correct, batch, record.update.token_entropy),
+        **replay_age_metrics(groups, step),
     }
     if guidance:
         metrics.update(guidance_metrics(groups, rewards.total))
+    return metrics
+
+
+def replay_age_metrics(groups: Sequence[Group], step: int) -> dict[str, float]:
+    """replay/age_*, version_lag_mean, uses_mean of the replayed members of step `step` (none: no metrics)."""
+    replays = [(g.members[0].replay, next((m.policy_version for m in g.members if m.sampled), None))
+               for g in groups if g.members[0].replay is not None]  # (trajectory, version sampling its group)
+    if not replays:
+        return {}
+    ages = [step - t.step for t, _ in replays]
+    lags = [now - t.version for t, now in replays if t.version >= 0 and now is not None]
+    metrics = {"replay/age_mean": float(np.mean(ages)), "replay/age_max": float(max(ages)),
+               "replay/uses_mean": float(np.mean([t.uses for t, _ in replays]))}
+    if lags:
+        metrics["replay/version_lag_mean"] = float(np.mean(lags))
     return metrics
 
 

@@ -145,7 +145,7 @@ class ExGRPOTrainer:
         self.step += 1
         self.last_step = record = StepRecord(phase, groups, rewards, correct, advantages, batch, update,
                                              generated.stats)
-        metrics = step_metrics(record, self.buffer, fresh_remaining=self.pool.remaining,
+        metrics = step_metrics(record, self.buffer, step=self.step - 1, fresh_remaining=self.pool.remaining,
                                learning_rate=self.update.learning_rate, skipped_updates=self.update.skipped_updates,
                                solved=len(self.solved), guidance=bool(self.guidance), timings=timer.metrics(),
                                elapsed=time.perf_counter() - start)
@@ -221,8 +221,9 @@ class ExGRPOTrainer:
 
     def collect(self, groups: list[Group], correct: np.ndarray, batch, behaviour_logp: torch.Tensor) -> None:
         """Move each group's question to its bucket and store its new correct trajectories with their (T,)
-        behaviour log-probs (rows of `behaviour_logp`, packed like `batch`). Demonstrations are neither counted
-        in k nor stored: the buffer holds the policy's own trajectories."""
+        behaviour log-probs (rows of `behaviour_logp`, packed like `batch`) and the weights version that sampled
+        them; count a use of each replayed trajectory. Demonstrations are neither counted in k nor stored: the
+        buffer holds the policy's own trajectories."""
         lengths = batch.completion_mask.sum(-1).to(torch.long).tolist()
         row = 0
         for g, ok, own in zip(groups, correct, own_members(groups)):
@@ -231,7 +232,11 @@ class ExGRPOTrainer:
                 ids.append(np.asarray(m.completion_ids, dtype=np.int32))
                 lps.append(behaviour_logp[row, :lengths[row]].numpy())
                 row += 1
-            self.buffer.update_group(g.question.id, [bool(x) for x in ok & own], ids, lps, step=self.step)  # ignores retired
+            if g.members[0].replay is not None and g.question.id in self.buffer:
+                self.buffer.record_replay(g.question.id, ids[0])
+            version = next((m.policy_version for m in g.members if m.sampled), None)
+            self.buffer.update_group(g.question.id, [bool(x) for x in ok & own], ids, lps, step=self.step,
+                                     version=-1 if version is None else version)  # ignores retired
 
     def maybe_switch_phase(self, pass_at_1: float) -> None:
         """The delayed start: switch for good to the mixed phase once batch Pass@1 > start_threshold (strict)."""
