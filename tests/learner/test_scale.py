@@ -75,8 +75,8 @@ def test_token_budget_micro_batches_give_the_one_micro_batch_update(questions):
         outcomes.append((result.stats, [p.detach().clone() for p in model.parameters()]))
     (a, pa), (b, pb) = outcomes
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"], 1e-6)
-    for x, y in zip(pa, pb):  # AdamW's first step is ~lr*sign(g): a gradient difference of 1e-7 moves little
-        torch.testing.assert_close(x, y, atol=2e-6, rtol=0)
+    for x, y in zip(pa, pb):  # AdamW's first step is ~lr*sign(g) = 1e-3: rounding moves a near-zero g's step
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=0)  # by 5e-6 on AMD AVX2 cores, a real bug by ~1e-3
 
 
 def test_entropy_bonus_per_micro_batch_adds_up_the_micro_batch_means():

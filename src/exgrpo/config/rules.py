@@ -130,6 +130,15 @@ def _rollout_rules(cfg, given: set[str]):
         "rollout.max_generation_rounds applies to rollout.zero_variance backfill or replace_from_buffer only"
     yield ro.zero_variance != "replace_from_buffer" or e.ratio > 0, \
         "rollout.zero_variance replace_from_buffer needs a buffer: experience.ratio must be > 0"
+    yield _at_least("rollout.max_staleness", ro.max_staleness, 0)
+    yield ro.mode == "async" or not _set_any(given, "rollout.max_staleness"), \
+        "rollout.max_staleness applies to rollout.mode async only"
+    yield ro.mode == "sync" or ro.zero_variance == "keep", \
+        (f"rollout.mode async plans each step's groups before the step runs, so it cannot refill dropped groups: "
+         f"rollout.zero_variance must be keep (got {ro.zero_variance})")
+    yield ro.mode == "sync" or o.engine_correction != "none", \
+        ("rollout.mode async samples from older weights than the learner's: objective.engine_correction must "
+         "not be none (auto or tis correct stale tokens by truncated importance sampling)")
 
 
 def _reward_and_objective_rules(cfg):
@@ -239,9 +248,10 @@ def _train_eval_and_logging_rules(cfg):
 def engine_correction_cap(cfg) -> float | None:
     """objective.tis_cap when truncated IS corrects the engine, else None. `auto` corrects whenever the rollouts
     come from an engine other than the trainer's own forward (vllm: other kernels and reduction orders differ from
-    the trainer's even at the same precision); `tis` always; `none` never."""
-    mode = cfg.objective.engine_correction
-    return cfg.objective.tis_cap if mode == "tis" or (mode == "auto" and cfg.rollout.engine == "vllm") else None
+    the trainer's even at the same precision; async: older weights too); `tis` always; `none` never."""
+    mode, r = cfg.objective.engine_correction, cfg.rollout
+    other_engine = r.engine == "vllm" or r.mode == "async"  # async: another engine, and older weights
+    return cfg.objective.tis_cap if mode == "tis" or (mode == "auto" and other_engine) else None
 
 
 def compute_precision(cfg) -> str:

@@ -77,6 +77,12 @@ class RolloutConfig:
     engine: Literal["hf", "vllm"] = "hf"
     """Rollout engine: hf (transformers generate on the training model) or vllm (an in-process vLLM engine with its
     own copy of the weights, synced after every optimizer step; needs the vllm extra)."""
+    mode: Literal["sync", "async"] = "sync"
+    """sync: each step samples from the current weights, then updates them; async: a worker thread samples the
+    next steps while the learner updates, step t from the weights after step t - max_staleness (docs/async.md;
+    needs an engine with its own weights: vllm)."""
+    max_staleness: int = 1
+    """async: how many steps the sampling weights lag the learner's (0: the same run as sync mode)."""
     engine_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """vllm: the engine's precision; auto is the trainer's compute precision (bfloat16 under train.dtype bf16)."""
     max_model_len: int | None = None

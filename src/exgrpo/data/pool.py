@@ -42,17 +42,18 @@ class QuestionPool:
         """Questions not retired yet."""
         return len(self.questions) - self.retirement.num_retired
 
-    def draw(self, n: int) -> list[Question]:
-        """The next n non-retired questions (fewer only when fewer remain in the whole pool)."""
+    def draw(self, n: int, exclude: frozenset[str] = frozenset()) -> list[Question]:
+        """The next n non-retired questions not in `exclude` (questions in flight, which lose this turn; fewer
+        only when fewer remain in the whole pool)."""
         out: list[Question] = []
-        n = min(n, self.remaining)
+        n = min(n, self.remaining - sum(not self.retirement.is_retired(qid) for qid in exclude))
         while len(out) < n:
             if self.cursor == len(self._order):
                 self.epoch, self.cursor = self.epoch + 1, 0
                 self._order = self._shuffled(self.epoch)
             qid = self._order[self.cursor]
             self.cursor += 1
-            if not self.retirement.is_retired(qid):
+            if not self.retirement.is_retired(qid) and qid not in exclude:
                 out.append(self.questions[qid])
         return out
 

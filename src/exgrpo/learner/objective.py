@@ -51,6 +51,17 @@ def truncated_importance_weights(old_logp: torch.Tensor, engine_logp: torch.Tens
     return torch.where(engine_mask, w, torch.ones_like(w)).detach()
 
 
+@torch.no_grad()
+def importance_weight_stats(weights: torch.Tensor, mask: torch.Tensor, cap: float) -> dict[str, float]:
+    """tis/ess, the normalised effective sample size (sum w)^2 / (n sum w^2) in (0, 1], and tis/truncated_fraction,
+    the share of weights at the cap, over the (B, T) `weights` where `mask` (none there: no statistics)."""
+    w = weights[mask.bool()]
+    if not len(w):
+        return {}
+    return {"tis/ess": float(w.sum() ** 2 / (len(w) * (w ** 2).sum())),
+            "tis/truncated_fraction": float((w >= cap).float().mean())}
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1)
 

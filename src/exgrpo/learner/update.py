@@ -21,7 +21,8 @@ import torch
 from exgrpo.config import ExGRPOConfig, ObjectiveConfig, TrainConfig, engine_correction_cap
 from exgrpo.runtime.distributed import Distributed
 from exgrpo.errors import TrainingError
-from exgrpo.learner.objective import LossSettings, merge_stats, mixed_policy_loss, truncated_importance_weights
+from exgrpo.learner.objective import (LossSettings, importance_weight_stats, merge_stats, mixed_policy_loss,
+                                     truncated_importance_weights)
 from exgrpo.learner.policy import PackedBatch, candidate_scores, token_logprobs
 from exgrpo.runtime.sharding import all_finite, fully_shard_model, gathered, load_optimizer_state, optimizer_state
 from exgrpo.records import WARMUP
@@ -317,6 +318,9 @@ class PolicyUpdate:
             logp, mine(old_logp), recorded, mine(advantages), mine(batch.completion_mask),
             mine(batch.replay_mask), settings, entropy=entropy, engine_weight=engine_weight,
             demonstration_mask=mine(batch.demonstration_mask), **totals)
+        if engine_weight is not None:
+            stats.update(importance_weight_stats(engine_weight, mine(batch.engine_mask) & ~mine(batch.replay_mask),
+                                                 self.tis_cap))
         if not torch.isfinite(loss):
             raise TrainingError(f"the loss is not finite ({loss.item()}); the update is not applied and "
                                 "the last checkpoint is the last good state")

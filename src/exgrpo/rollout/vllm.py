@@ -252,6 +252,14 @@ class VLLMEngine:
     def sync_weights(self, version: int = 0) -> None:
         self._stale, self._wanted_version = True, version
 
+    def push_weights(self, version: int) -> None:
+        """Load the policy's current weights now, not at the next generate (rollout.mode async: the worker thread
+        pushes between generations while the learner waits for the push before changing the weights)."""
+        self.sync_weights(version)
+        self._wake()
+        self._push()
+        self._sleep()
+
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingSettings,
                  seeds: Sequence[int]) -> Rollouts:
         from vllm import SamplingParams

@@ -18,7 +18,8 @@ from exgrpo.config import ExGRPOConfig
 from exgrpo.errors import EngineError
 from exgrpo.records import Group, GroupRewards, Member
 from exgrpo.rewards.scorer import GroupScorer
-from exgrpo.rollout import RolloutEngine, SamplingSettings, derive_seed
+from exgrpo.rollout import RolloutEngine, Rollouts, SamplingSettings, derive_seed
+from exgrpo.rollout.worker import Sampled
 from exgrpo.runtime.distributed import Distributed
 from exgrpo.runtime.timing import StageTimer
 
@@ -106,17 +107,25 @@ class GenerationRounds:
                    weights=weights)
 
     def __call__(self, groups: list[Group], step: int, settle: Settle, refill: Refill,
-                 timer: StageTimer | None = None, weights_version: int | None = None) -> GenerationResult:
+                 timer: StageTimer | None = None, weights_version: int | None = None,
+                 sampled_ahead: Callable[[], Sampled] | None = None) -> GenerationResult:
         """Generate for training step `step` (0-based: the steps done before this one) from the policy at
-        `weights_version` (applied optimizer steps): an engine that reports another version is an error."""
+        `weights_version` (applied optimizer steps): an engine that reports another version is an error.
+        `sampled_ahead()` gives the first round's rollouts where they were sampled beforehand (rollout.mode
+        async; its wait counts as rollout time)."""
         timer = timer or StageTimer()
         wanted, stats, asked = len(groups), Generation(), set()
         kept, kept_rewards, kept_correct = [], [], []
         for _ in range(self.max_rounds):
             sampled = len(groups) * self.K - sum(len(g.members) for g in groups)
             with timer("rollout"):
-                self.roll_out(groups, step, first_group=stats.groups, version=weights_version)
-            self._check_version(weights_version)
+                if sampled_ahead is not None and not stats.rounds:
+                    ahead = sampled_ahead()
+                    self._check_version(weights_version, ahead.version)
+                    self.fill(groups, ahead.rollouts, ahead.version)
+                else:
+                    self.roll_out(groups, step, first_group=stats.groups, version=weights_version)
+                    self._check_version(weights_version, getattr(self.engine, "weights_version", None))
             with timer("reward"):
                 rewards = self.scorer(groups, step + 1)
             correct = rewards.total >= self.success_threshold
@@ -139,8 +148,8 @@ class GenerationRounds:
             return GenerationResult(groups, rewards, correct, stats)
         return GenerationResult(kept, GroupRewards.concat(kept_rewards), np.concatenate(kept_correct), stats)
 
-    def _check_version(self, wanted: int | None) -> None:
-        held = getattr(self.engine, "weights_version", None)
+    @staticmethod
+    def _check_version(wanted: int | None, held: int | None) -> None:
         if wanted is not None and held is not None and held != wanted:
             raise EngineError(f"the rollout engine sampled from weights version {held}, but the learner is at version "
                               f"{wanted} (applied optimizer steps): a weight sync did not happen")
@@ -149,12 +158,28 @@ class GenerationRounds:
         """Fill every group up to K members with fresh samples (tagged with the weights `version` they come from).
         Each rank samples its shard of the groups and every rank receives all of them."""
         start, end = self.dist.shard_bounds(len(groups))
-        requests = [(gi, j) for gi in range(start, end) for j in range(len(groups[gi].members), self.K)]
+        prompts, seeds = self.requests(groups[start:end], step, first_group + start)
         with self.weights():
-            rollouts = self.engine.generate([groups[gi].prompt_ids for gi, _ in requests], self.sampling,
-                                            [derive_seed(self.seed, step, first_group + gi, j) for gi, j in requests])
-        engine_logprobs = rollouts.logprobs or [None] * len(requests)
+            rollouts = self.engine.generate(prompts, self.sampling, seeds)
+        engine_logprobs = rollouts.logprobs or [None] * len(prompts)
         sampled = self.dist.gather(list(zip(rollouts.completion_ids, rollouts.truncated, engine_logprobs)))
+        ids, truncated, logprobs = (list(column) for column in zip(*sampled)) if sampled else ([], [], [])
+        self.fill(groups, Rollouts(ids, truncated, logprobs), version)
+
+    def requests(self, groups: Sequence[Group], step: int, first_group: int = 0) -> tuple[list, list[int]]:
+        """The (prompt ids, seeds) of the samples that fill `groups` up to K members; group i is the step's
+        (first_group + i)-th group of the step, whose member j is sampled with seed derive_seed(seed, step,
+        first_group + i, j) wherever and whenever it is sampled."""
+        requests = [(gi, j) for gi in range(len(groups)) for j in range(len(groups[gi].members), self.K)]
+        return ([groups[gi].prompt_ids for gi, _ in requests],
+                [derive_seed(self.seed, step, first_group + gi, j) for gi, j in requests])
+
+    def fill(self, groups: list[Group], rollouts: Rollouts, version: int | None) -> None:
+        """Append `rollouts` (in `requests` order) to the groups, tagged with the weights version that sampled
+        them."""
         slots = [g for g in groups for _ in range(self.K - len(g.members))]
-        for g, (ids, truncated, logprobs) in zip(slots, sampled):
-            g.members.append(Member(ids, truncated, engine_logprobs=logprobs, policy_version=version))
+        if len(slots) != len(rollouts.completion_ids):
+            raise EngineError(f"{len(rollouts.completion_ids)} rollouts for {len(slots)} requested samples")
+        logprobs = rollouts.logprobs or [None] * len(slots)
+        for g, ids, truncated, lps in zip(slots, rollouts.completion_ids, rollouts.truncated, logprobs):
+            g.members.append(Member(ids, truncated, engine_logprobs=lps, policy_version=version))

@@ -83,6 +83,10 @@ METRICS: tuple[Metric, ...] = tuple(
         ("tis/weight_mean", "Mean truncated-IS weight min(pi_old / pi_engine, objective.tis_cap) of fresh tokens (only "
                             "with the engine correction on)."),
         ("tis/weight_min", "Smallest truncated-IS weight of the step's fresh tokens."),
+        ("tis/ess", "Normalised effective sample size (Σw)² / (n Σw²) of the fresh tokens' truncated-IS weights, in "
+                    "(0, 1] (1: all equal); per micro-batch, token-weighted over the step."),
+        ("tis/truncated_fraction", "Share of the fresh tokens whose weight pi_old / pi_engine reached "
+                                   "`objective.tis_cap` (and was cut to it)."),
         ("replay/ratio_mean", "Mean of w = π_θ / π_recorded over replayed tokens (π_recorded: the behaviour "
                               "log-probs stored with the trajectory). Only in steps that replay."),
         ("replay/ratio_min", "Minimum of w over replayed tokens."),
@@ -111,6 +115,15 @@ METRICS: tuple[Metric, ...] = tuple(
         ("guidance/demonstrations", "Reference solutions from the data among the step's group members."),
         ("guidance/demonstration_reward", "Their mean reward (the verifier grades them like rollouts); NaN "
                                           "without any."),
+    ) + _section(
+        "Asynchronous rollouts (`rollout.mode: async`, docs/async.md)",
+        ("async/staleness_mean", "Token-weighted mean, over the step's fresh tokens, of the learner's weights "
+                                 "version minus the version that sampled them (applied optimizer steps; "
+                                 "max_staleness × mini_batches at most)."),
+        ("async/staleness_max", "The largest such lag."),
+        ("async/learner_idle", "Seconds of the step the learner waited for the engine (rollouts, pushes, "
+                               "evaluation)."),
+        ("async/engine_idle", "Seconds of the step the engine had no call to run."),
     ) + _section(
         "Rollout engine (vllm)",
         ("rollout/logp_diff_mean", "Mean |log pi_engine - log pi_trainer| over the step's sampled tokens (the parity "

@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from exgrpo.config import ExGRPOConfig
+from exgrpo.config import ConfigError, ExGRPOConfig
 from exgrpo.data import PromptEncoder, Question, QuestionPool, drop_long_prompts
 from exgrpo.errors import Shutdown
 from exgrpo.evaluation.contamination import screen_benchmark_questions
@@ -42,8 +42,9 @@ from exgrpo.records import MIXED, WARMUP, Group
 from exgrpo.rewards import GradingPool
 from exgrpo.rewards.health import RewardHealth
 from exgrpo.rewards.scorer import GroupScorer
-from exgrpo.rollout import RolloutEngine, SamplingSettings, build_engine, derive_seed
+from exgrpo.rollout import HFEngine, RolloutEngine, SamplingSettings, build_engine, derive_seed
 from exgrpo.rollout.parity import ParityProbe
+from exgrpo.rollout.worker import RolloutWorker
 from exgrpo.runtime.atomic import write_text_atomic
 from exgrpo.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from exgrpo.runtime.distributed import Distributed, check_replicas, init_distributed, require_on_every_rank, shard
@@ -56,6 +57,7 @@ from exgrpo.training.generation import GenerationRounds, own_members
 from exgrpo.training.groups import form_groups, pack_groups
 from exgrpo.training.guidance import Guidance
 from exgrpo.training.metrics import StepRecord, sample_lines, step_metrics
+from exgrpo.training.pipeline import AsyncPipeline, PlannedStep, staleness_metrics
 
 __all__ = ["ExGRPOTrainer", "StepRecord"]
 
@@ -98,8 +100,10 @@ class ExGRPOTrainer:
         self.guidance = Guidance.from_config(c.guidance, train_dataset, tokenizer, r.max_completion_length)
         self.solved: set[str] = set()  # questions with a correct rollout of the policy's own (coverage, guidance)
         self.replay_policy = replay_policy_from_config(e, self.buffer, self.K)
-        self.update = PolicyUpdate.from_config(
-            model, c, self.dist, on_optimizer_step=lambda: self.engine.sync_weights(self.update.weights_version))
+        self.pipeline = self._async_pipeline() if r.mode == "async" else None
+        self.update = PolicyUpdate.from_config(  # async: the pipeline pushes after the step's update
+            model, c, self.dist, on_optimizer_step=(lambda: None) if self.pipeline else
+            lambda: self.engine.sync_weights(self.update.weights_version))
         self.scorer = GroupScorer(reward_funcs, tokenizer, RewardHealth.from_config(c.reward),
                                   reward_weights=reward_weights, grading_pool=grading_pool, distributed=self.dist)
         self.generation = GenerationRounds.from_config(c, self.engine, self.scorer, distributed=self.dist,
@@ -109,6 +113,19 @@ class ExGRPOTrainer:
         self.history: list[dict] = []
         self.last_step: StepRecord | None = None
         self.last_evaluation: Accuracy | None = None  # the latest periodic evaluation
+
+    def _async_pipeline(self) -> AsyncPipeline:
+        """rollout.mode async: the engine runs on a worker thread, `max_staleness` steps ahead (docs/async.md)."""
+        c = self.config
+        if isinstance(self.engine, HFEngine):
+            raise ConfigError("rollout.mode async needs an engine with its own copy of the weights (rollout.engine "
+                              "vllm): the hf engine samples from the weights the learner is updating")
+        if self.dist.world_size > 1:
+            raise ConfigError("rollout.mode async runs in one process for now: use rollout.mode sync under torchrun")
+        worker = RolloutWorker(self.engine, timeout=c.rollout.sync_timeout)
+        return AsyncPipeline(worker, lambda step, in_flight: self.plan_step(step, in_flight),
+                             lambda groups, step: self.generation.requests(groups, step),
+                             SamplingSettings.from_config(c.rollout), c.rollout.max_staleness, c.train.steps)
 
     def _screen(self, questions: Sequence[Question], which: str) -> list[Question]:
         """The questions the run may use: benchmark test questions handled as data.benchmark_overlap says, and,
@@ -121,23 +138,28 @@ class ExGRPOTrainer:
     def train_step(self) -> tuple[dict, list[dict]]:
         """One step of ExGRPO (see the module docstring); returns its metrics and example completions."""
         c, timer, start = self.config, StageTimer(), time.perf_counter()
-        rng = np.random.default_rng([c.train.seed, self.step])
-        phase = self.phase
-        with timer("buffer"):
-            experiential = self.sample_experiential(rng) if phase == MIXED else []
-        fresh = self.pool.draw(c.train.prompts_per_step - len(experiential))
-        groups = self.build_groups(experiential, fresh, phase, rng, timer)
-        generated = self.generation(groups, self.step, self.settle,  # roll out, score, retire
-                                    lambda n, asked: self.refill(n, phase, rng, asked, timer), timer,
-                                    weights_version=self.update.weights_version)
+        if self.pipeline:  # planned max_staleness steps ago, its rollouts sampled meanwhile
+            planned, sampled_ahead = self.pipeline.next(self.step)
+        else:
+            planned, sampled_ahead = self.plan_step(self.step, timer=timer), None
+        phase, version = planned.phase, self.update.weights_version
+        generated = self.generation(planned.groups, self.step, self.settle,  # roll out, score, retire
+                                    lambda n, asked: self.refill(n, phase, planned.rng, asked, timer), timer,
+                                    weights_version=planned.version, sampled_ahead=sampled_ahead)
         groups, rewards, correct = generated.groups, generated.rewards, generated.correct
         batch = pack_groups(groups, self.tokenizer.pad_token_id)
         advantages = group_advantages(torch.tensor(rewards.total, dtype=torch.float32), c.objective.scale_rewards)
+        if self.pipeline:
+            self.pipeline.weights_read()  # the last push has copied the weights this update changes
         update = self.update(batch, advantages.reshape(-1),
                              loss_settings(c.objective, c.rollout.max_completion_length, phase, c.guidance.gamma),
                              c.experience.importance_correction, np.random.default_rng([c.train.seed, self.step, 2]),
                              timer)
-        parity = self.parity(self.step, batch.engine_logp, batch.engine_mask, update.behaviour_logp)
+        if self.pipeline:
+            self.pipeline.push(self.update.weights_version)
+        # the parity probe compares engine and trainer on the same weights: not on rollouts of older ones
+        parity = self.parity(self.step, batch.engine_logp, batch.engine_mask, update.behaviour_logp) \
+            if planned.version == version else {}
         with timer("buffer"):
             if phase == MIXED:
                 self.collect(groups, correct, batch, update.behaviour_logp)
@@ -150,24 +172,38 @@ class ExGRPOTrainer:
                                solved=len(self.solved), guidance=bool(self.guidance), timings=timer.metrics(),
                                elapsed=time.perf_counter() - start)
         metrics.update(parity)
+        if self.pipeline:
+            metrics.update({**staleness_metrics(groups, version), **self.pipeline.worker.take_times()})
         if c.train.check_replicas:
             metrics.update(check_replicas(self.dist, self.step, self.buffer.fingerprint(),
                                           None if self.update.sharded else self.model))
         log_samples = c.logging.sample_every and self.step % c.logging.sample_every == 0
         return metrics, sample_lines(groups, rewards.total, self.tokenizer) if log_samples else []
 
-    def sample_experiential(self, rng: np.random.Generator, n: int | None = None,
+    def plan_step(self, step: int, in_flight: frozenset[str] = frozenset(),
+                  timer: StageTimer | None = None) -> PlannedStep:
+        """Steps 1-2 for step `step`: its experiential and fresh questions (none of those `in_flight`) and their
+        groups, replays and demonstrations included, from the buffer, phase and weights as they are now."""
+        c, timer = self.config, timer or StageTimer()
+        rng = np.random.default_rng([c.train.seed, step])
+        with timer("buffer"):
+            experiential = self.sample_experiential(rng, step, exclude=in_flight) if self.phase == MIXED else []
+        fresh = self.pool.draw(c.train.prompts_per_step - len(experiential), exclude=in_flight)
+        groups = self.build_groups(experiential, fresh, self.phase, rng, timer, step)
+        return PlannedStep(step, self.phase, groups, self.update.weights_version, rng)
+
+    def sample_experiential(self, rng: np.random.Generator, step: int, n: int | None = None,
                             exclude: frozenset[str] = frozenset()) -> list[Question]:
-        """Up to n (default floor(B * ratio)) questions to re-ask, drawn by the replay policy (ExGRPO: from the
-        correctness buckets), none of them in `exclude`."""
+        """Up to n (default floor(B * ratio)) questions to re-ask in step `step`, drawn by the replay policy
+        (ExGRPO: from the correctness buckets), none of them in `exclude`."""
         c = self.config
         if n is None:
             n = num_experiential(c.train.prompts_per_step, c.train.prompts_per_step, c.experience.ratio)
-        ids = self.replay_policy.experiential(n + len(exclude), rng, self.step)
+        ids = self.replay_policy.experiential(n + len(exclude), rng, step)
         return [self.pool.questions[qid] for qid in ids if qid not in exclude][:n]
 
     def build_groups(self, experiential: list[Question], fresh: list[Question], phase: str,
-                     rng: np.random.Generator, timer: StageTimer) -> list[Group]:
+                     rng: np.random.Generator, timer: StageTimer, step: int) -> list[Group]:
         """The step's groups, those whose question replays a stored trajectory first (member 0: the replay)."""
         policy = self.replay_policy
         replayed, plain = experiential, fresh
@@ -179,7 +215,7 @@ class ExGRPOTrainer:
         with timer("selection"):
             replays = self.select_replays(replayed, rng)
         groups = form_groups(list(zip(replayed, replays)), plain, self.prompt_ids)
-        self.guidance.add(groups, self.step, self.solved)
+        self.guidance.add(groups, step, self.solved)
         return groups
 
     def select_replays(self, questions: Sequence[Question], rng: np.random.Generator) -> list[Trajectory]:
@@ -216,8 +252,8 @@ class ExGRPOTrainer:
         asked yet this step (with their replays), then fresh questions."""
         experiential = []
         if self.config.rollout.zero_variance == "replace_from_buffer" and phase == MIXED:
-            experiential = self.sample_experiential(rng, n, asked)
-        return self.build_groups(experiential, self.pool.draw(n - len(experiential)), phase, rng, timer)
+            experiential = self.sample_experiential(rng, self.step, n, asked)
+        return self.build_groups(experiential, self.pool.draw(n - len(experiential)), phase, rng, timer, self.step)
 
     def collect(self, groups: list[Group], correct: np.ndarray, batch, behaviour_logp: torch.Tensor) -> None:
         """Move each group's question to its bucket and store its new correct trajectories with their (T,)
@@ -308,8 +344,9 @@ class ExGRPOTrainer:
         c = self.config
         questions = self.eval_dataset[: c.eval.max_questions] if c.eval.max_questions else self.eval_dataset
         sampling = SamplingSettings.from_config(c.rollout, temperature=c.eval.temperature)
+        engine = self.pipeline.worker.as_engine() if self.pipeline else self.engine  # async: behind queued calls
         with self.update.rollout_weights():
-            return evaluate_accuracy(self.engine, self.tokenizer, questions, self.scorer.reward_funcs, sampling,
+            return evaluate_accuracy(engine, self.tokenizer, questions, self.scorer.reward_funcs, sampling,
                                      c.eval.samples, seed=derive_seed(c.train.seed, self.step, 4),
                                      success_threshold=c.reward.success_threshold, prompt_ids_of=self.prompt_ids)
 
@@ -322,6 +359,8 @@ class ExGRPOTrainer:
                    "optimizer_steps": update.pop("optimizer_steps"), "skipped_updates": update.pop("skipped_updates"),
                    "replay_policy": self.replay_policy.state_dict(), "solved": sorted(self.solved),
                    "config": self.config.to_dict()}
+        if self.pipeline:  # the steps in flight, with their rollouts (waited for)
+            trainer["in_flight"] = self.pipeline.state_dict()
         return {"trainer": trainer, "optimizer": update, "buffer": self.buffer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -333,6 +372,8 @@ class ExGRPOTrainer:
         self.pool.load_state_dict(trainer["pool"])
         self.replay_policy.load_state_dict(trainer.get("replay_policy", {}))
         self.solved = set(trainer.get("solved", []))
+        if self.pipeline:
+            self.pipeline.load_state_dict(trainer.get("in_flight", []), self.pool.questions, self.prompt_ids)
 
     def save(self) -> None:
         """Checkpoint the current step: every rank gathers the state (FSDP needs them all), rank 0 writes it."""
@@ -353,4 +394,7 @@ class ExGRPOTrainer:
         self._resumed = True
         if self.dist.is_main:
             truncate_metrics(self.config.logging.output_dir, self.step)
-        self.engine.sync_weights(self.update.weights_version)
+        if self.pipeline:
+            self.pipeline.push(self.update.weights_version)
+        else:
+            self.engine.sync_weights(self.update.weights_version)

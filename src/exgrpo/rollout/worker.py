@@ -1,0 +1,141 @@
+"""A rollout engine driven from a background thread, so that generation for later steps overlaps the learner's
+update (`rollout.mode: async`).
+
+The worker runs the engine's calls one at a time, in the order they were submitted: generation requests and
+weight pushes. Order is the whole contract: a generation submitted after the push of version v samples from v,
+and one submitted before it from the version before. Every result carries the weights version the engine held
+when it sampled, so the caller can check the schedule instead of trusting it.
+
+A failed call fails its future; the worker then refuses every later call with the same error (an engine that
+died does not come back), and a caller that waits longer than `timeout` gets an EngineError instead of a hang.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from exgrpo.errors import EngineError
+from exgrpo.rollout.base import RolloutEngine, Rollouts, SamplingSettings
+
+
+@dataclass
+class Sampled:
+    """One generation call's rollouts and the weights version (applied optimizer steps) that sampled them."""
+
+    rollouts: Rollouts
+    version: int
+
+
+class RolloutWorker:
+    """Runs `engine.generate` and weight pushes in submission order on a thread of its own.
+
+    Args:
+        engine: an engine with its own copy of the weights and a `push_weights(version)` method that loads the
+            learner's current weights into it at once.
+        timeout: seconds a caller waits for any one result before the run stops with an EngineError.
+    """
+
+    def __init__(self, engine: RolloutEngine, timeout: float):
+        self.engine, self.timeout = engine, timeout
+        self._jobs: queue.Queue = queue.Queue()
+        self._failure: BaseException | None = None
+        self._version = getattr(engine, "weights_version", 0)
+        self.engine_busy = 0.0  # seconds spent in engine calls since the last `take_times`
+        self.learner_waiting = 0.0  # seconds callers spent waiting for results since the last `take_times`
+        self._started = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, name="exgrpo-rollout-worker", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ submission
+    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingSettings,
+                 seeds: Sequence[int]) -> concurrent.futures.Future:
+        """A future of `Sampled`: the rollouts of these requests, sampled after every earlier push."""
+        prompts, seeds = [list(p) for p in prompt_ids], list(seeds)
+        return self._submit(lambda: Sampled(self.engine.generate(prompts, sampling, seeds),
+                                            getattr(self.engine, "weights_version", self._version)))
+
+    def push(self, version: int) -> concurrent.futures.Future:
+        """Load the learner's weights, now at `version`, into the engine (`engine.push_weights`) once every
+        earlier call is done. The push reads the learner's weights on the worker thread: the learner must not
+        change them until this future is done (`wait`)."""
+        def run():
+            self.engine.push_weights(version)
+            self._version = version
+            return version
+
+        return self._submit(run)
+
+    def wait(self, future: concurrent.futures.Future, what: str):
+        """The result of `future`, counting the wait as learner idle time; an EngineError past `timeout`."""
+        start = time.perf_counter()
+        try:
+            return future.result(timeout=self.timeout)
+        except concurrent.futures.TimeoutError:
+            raise EngineError(f"the rollout engine gave no {what} within {self.timeout:g} s "
+                              "(rollout.sync_timeout): it is hung or far too slow") from None
+        except EngineError:
+            raise
+        except Exception as e:
+            raise EngineError(f"the rollout engine failed during {what}: {type(e).__name__}: {e}") from e
+        finally:
+            self.learner_waiting += time.perf_counter() - start
+
+    def as_engine(self, what: str = "evaluation") -> "_Queued":
+        """A RolloutEngine whose generate goes through the queue and waits (evaluation between steps)."""
+        return _Queued(self, what)
+
+    def take_times(self) -> dict[str, float]:
+        """Seconds since the last call: the engine idle (no call running) and the learner waiting for results."""
+        now = time.perf_counter()
+        wall, busy, waiting = now - self._started, self.engine_busy, self.learner_waiting
+        self._started, self.engine_busy, self.learner_waiting = now, 0.0, 0.0
+        return {"async/engine_idle": max(wall - busy, 0.0), "async/learner_idle": waiting}
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=self.timeout)
+
+    # ------------------------------------------------------------------ the thread
+    def _submit(self, call: Callable) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self._failure is not None:
+            future.set_exception(EngineError(f"the rollout engine failed earlier: {self._failure}"))
+        else:
+            self._jobs.put((call, future))
+        return future
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            call, future = job
+            if self._failure is not None:
+                future.set_exception(EngineError(f"the rollout engine failed earlier: {self._failure}"))
+                continue
+            start = time.perf_counter()
+            try:
+                future.set_result(call())
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting learner
+                self._failure = e
+                future.set_exception(e)
+            finally:
+                self.engine_busy += time.perf_counter() - start
+
+
+class _Queued:
+    """RolloutEngine protocol over a RolloutWorker: generate submits and waits."""
+
+    def __init__(self, worker: RolloutWorker, what: str):
+        self.worker, self.what = worker, what
+
+    def generate(self, prompt_ids, sampling, seeds) -> Rollouts:
+        return self.worker.wait(self.worker.generate(prompt_ids, sampling, seeds), self.what).rollouts
+
+    def sync_weights(self, version: int = 0) -> None:
+        raise EngineError("weights reach an asynchronous engine through RolloutWorker.push")
+
+    def close(self) -> None:
+        pass
