@@ -6,8 +6,10 @@ Runs in .venv-vllm (`make test` runs it there); skipped where vLLM is not instal
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -123,14 +125,18 @@ def test_bad_engines_are_refused_with_the_reason():
         VLLMEngine(tiny, tok, max_model_len=64, max_num_seqs=2)
 
 
+def _command(run_dir, *extra, launcher=(sys.executable, "-m")):
+    return [*launcher, "exgrpo", "train", "--config", str(ROOT / "configs" / "demo.yaml"),
+            "rollout.engine=vllm", "train.steps=4", "train.prompts_per_step=4", "rollout.num_generations=4",
+            "rollout.max_completion_length=12", "objective.normalizer=12", "experience.start_threshold=0.0",
+            "train.save_every=1", "train.save_total_limit=4", "eval.every=0", "data.holdout=0",
+            "logging.progress=false", "rollout.max_model_len=128", "rollout.generation_batch_size=16",
+            "train.threads=1", f"logging.output_dir={run_dir}", *extra]
+
+
 def _train(run_dir, *extra, check=True, launcher=(sys.executable, "-m")):
-    cmd = [*launcher, "exgrpo", "train", "--config", str(ROOT / "configs" / "demo.yaml"),
-           "rollout.engine=vllm", "train.steps=4", "train.prompts_per_step=4", "rollout.num_generations=4",
-           "rollout.max_completion_length=12", "objective.normalizer=12", "experience.start_threshold=0.0",
-           "train.save_every=1", "train.save_total_limit=4", "eval.every=0", "data.holdout=0", "logging.progress=false",
-           "rollout.max_model_len=128", "rollout.generation_batch_size=16", "train.threads=1",
-           f"logging.output_dir={run_dir}", *extra]
-    result = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+    result = subprocess.run(_command(run_dir, *extra, launcher=launcher), cwd=ROOT, env=ENV, capture_output=True,
+                            text=True, timeout=900)
     if check:
         assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -210,6 +216,79 @@ def test_an_exported_checkpoint_loads_in_vllm_with_its_chat_template(tmp_path, f
     assert list(got) == want.tolist()
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("full_run")
+def test_async_with_staleness_zero_is_the_sync_run(tmp_path, full_run):
+    """The engine in its own process, weights through vLLM's weight-transfer interface, s = 0: sync's run."""
+    _train(tmp_path / "zero", "rollout.mode=async", "rollout.max_staleness=0", "train.steps=2")
+    _same_run(_metrics(tmp_path / "zero"), full_run[1][:2])
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory):
+    """A 4-step async run, s = 1 (checkpoints after every step), and its metrics."""
+    run_dir = tmp_path_factory.mktemp("async")
+    _train(run_dir, "rollout.mode=async")
+    return run_dir, _metrics(run_dir)
+
+
+def _start(run_dir, *extra) -> subprocess.Popen:
+    return subprocess.Popen(_command(run_dir, "rollout.mode=async", *extra), cwd=ROOT, env=ENV, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def _when_checkpoint(run_dir, step: int, process: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not (Path(run_dir) / "checkpoints" / f"step-{step:06d}" / "manifest.json").exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("async_run")
+def test_an_async_run_is_one_step_off_policy_and_resumes_exactly_after_a_sigkill(tmp_path, async_run):
+    run_dir, whole = async_run
+    assert [m["async/staleness_max"] for m in whole] == [0, 1, 1, 1]  # step t sampled from the weights of t - 1
+    assert all(0 < m["tis/ess"] <= 1 for m in whole) and whole[-1]["experience/replayed"] > 0
+    killed = tmp_path / "killed"
+    process = _start(killed)
+    _when_checkpoint(killed, 2, process)
+    os.killpg(process.pid, signal.SIGKILL)  # the trainer and the engine's processes, mid-run
+    process.communicate()
+    _train(killed, "rollout.mode=async", "--resume", str(killed))
+    _same_run(_metrics(killed), whole)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("async_run")
+def test_exgrpo_buffer_shows_what_the_async_run_stored(async_run):
+    run_dir, whole = async_run
+    result = run_cli(["buffer", str(run_dir), "--json"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout)
+    assert summary["step"] == 4 and summary["trajectories"] == whole[-1]["experience/trajectories"] > 0
+    for example in summary["examples"]:
+        for t in example["trajectories"]:
+            assert 0 <= t["policy_version"] <= 3 and t["age"] >= 1 and t["text"]
+
+
+@pytest.mark.slow
+def test_a_killed_engine_process_stops_the_run_with_a_clear_error_and_its_checkpoints_intact(tmp_path):
+    run_dir = tmp_path / "run"
+    process = _start(run_dir, "train.steps=8")
+    _when_checkpoint(run_dir, 1, process)
+    children = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
+    cores = [pid for pid in children if "EngineCore" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
+    assert cores, children
+    os.kill(int(cores[0]), signal.SIGKILL)
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 2, stderr[-3000:]
+    assert "exgrpo: error: the rollout engine failed" in stderr and "EngineDeadError" in stderr, stderr[-3000:]
+    from exgrpo.runtime.checkpoint import latest_intact_checkpoint
+
+    assert latest_intact_checkpoint(run_dir) is not None
+
+
 def _train_in_process(run_dir, *extra):
     return run_cli(["train", "--config", str(ROOT / "configs" / "demo.yaml"), "rollout.engine=vllm", "train.steps=3",
                     "train.prompts_per_step=4", "rollout.num_generations=4", "rollout.max_completion_length=12",
@@ -229,7 +308,14 @@ def test_a_skipped_sync_at_the_recipes_learning_rate_is_caught_at_once(tmp_path,
     assert len(_metrics(tmp_path / "run")) == 1  # step 1 ran; step 2's first rollout found the stale engine
 
 
+def _fast_bf16() -> bool:
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    return torch.cuda.is_available() or "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 @pytest.mark.slow
+@pytest.mark.skipif(not _fast_bf16(), reason="this CPU has no bf16 matrix instructions (avx512_bf16, amx_bf16): "
+                                             "bf16 runs ~100x slower than fp32 on it")
 def test_a_correct_bf16_engine_with_a_bf16_trainer_is_never_stopped(tmp_path):
     """The paper's precision pair: the parity probe's default threshold for it, TIS on (engine_correction auto)."""
     result = _train_in_process(tmp_path / "run", "train.dtype=bf16", "train.learning_rate=2e-4")

