@@ -90,13 +90,22 @@ class RolloutWorker:
         return _Queued(self, what)
 
     def take_times(self) -> dict[str, float]:
-        """Seconds since the last call: the engine idle (no call running) and the learner waiting for results."""
+        """Seconds since the last call: the engine idle (no call running; a call is counted when it ends) and the
+        learner waiting for results."""
         now = time.perf_counter()
         wall, busy, waiting = now - self._started, self.engine_busy, self.learner_waiting
         self._started, self.engine_busy, self.learner_waiting = now, 0.0, 0.0
         return {"async/engine_idle": max(wall - busy, 0.0), "async/learner_idle": waiting}
 
     def close(self) -> None:
+        """Stop after the running call (the calls still queued are dropped)."""
+        try:
+            while True:
+                job = self._jobs.get_nowait()
+                if job is not None:
+                    job[1].cancel()
+        except queue.Empty:
+            pass
         self._jobs.put(None)
         self._thread.join(timeout=self.timeout)
 

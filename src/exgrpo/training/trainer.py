@@ -139,6 +139,7 @@ class ExGRPOTrainer:
         """One step of ExGRPO (see the module docstring); returns its metrics and example completions."""
         c, timer, start = self.config, StageTimer(), time.perf_counter()
         if self.pipeline:  # planned max_staleness steps ago, its rollouts sampled meanwhile
+            self.pipeline.worker.take_times()  # idle times count from here
             planned, sampled_ahead = self.pipeline.next(self.step)
         else:
             planned, sampled_ahead = self.plan_step(self.step, timer=timer), None
