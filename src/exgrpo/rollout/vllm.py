@@ -211,16 +211,7 @@ class VLLMEngine:
                                       "process for now")
                 kwargs.update(weight_transfer_config={"backend": "exgrpo_shm"},
                               worker_extension_cls="exgrpo.rollout.weight_transfer.WorkerExtension")
-            if self.cuda:
-                kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
-            else:
-                per_token = _kv_bytes_per_token(config, dtype)
-                tokens = max_num_seqs * math.ceil(self.max_model_len / _BLOCK) * _BLOCK
-                kv = int(kv_cache_gb * 2**30) if kv_cache_gb else per_token * tokens
-                # whole prompts only: a chunked prefill rewinds the request's generator, which CPU generators
-                # cannot do ("CPU Generator does not use offset" once a batch's prompts exceed the token budget)
-                kwargs.update(enforce_eager=True, block_size=_BLOCK, kv_cache_memory_bytes=kv,
-                              enable_chunked_prefill=False, max_num_batched_tokens=max(self.max_model_len, 4096))
+            kwargs.update(self._memory_kwargs(config, dtype, max_num_seqs, gpu_memory_utilization, kv_cache_gb))
             with _ProcessState():
                 try:
                     self.llm = vllm.LLM(**kwargs)
@@ -237,6 +228,18 @@ class VLLMEngine:
         except BaseException:
             shutil.rmtree(self._dir, ignore_errors=True)
             raise
+
+    def _memory_kwargs(self, config, dtype: str, max_num_seqs: int, gpu_memory_utilization: float,
+                       kv_cache_gb: float | None) -> dict:
+        """CUDA: a share of the GPU and sleep mode; CPU: a KV cache of an explicit size and whole-prompt prefill."""
+        if self.cuda:
+            return dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
+        tokens = max_num_seqs * math.ceil(self.max_model_len / _BLOCK) * _BLOCK
+        kv = int(kv_cache_gb * 2**30) if kv_cache_gb else _kv_bytes_per_token(config, dtype) * tokens
+        # whole prompts only: a chunked prefill rewinds the request's generator, which CPU generators cannot do
+        # ("CPU Generator does not use offset" once a batch's prompts exceed the token budget)
+        return dict(enforce_eager=True, block_size=_BLOCK, kv_cache_memory_bytes=kv, enable_chunked_prefill=False,
+                    max_num_batched_tokens=max(self.max_model_len, 4096))
 
     def _write_model(self):
         """The policy as a model directory for vLLM to start from (weights merged, tokenizer, config)."""
