@@ -2,8 +2,8 @@
 
 Storage is columnar so that memory grows with stored tokens only: every trajectory's token ids (int32) and
 behaviour log-probs (float32) live in two flat arrays, 8 bytes per token, and a few per-trajectory columns
-(offset, length, owner question, collection step, policy version, replay count) index into them. Dropped trajectories leave holes that are
-compacted away once they make up half of the arrays.
+(offset, length, owner question, collection step, weights version, replay count) index into them. Dropped
+trajectories leave holes that are compacted away once they make up half of the arrays.
 
 Collection rule (spec §2): a group of K rollouts with k correct is collected iff ``lbound < k <= rbound``
 (default 0 < k <= K-1): the question moves to bucket k and its unseen correct trajectories are appended.

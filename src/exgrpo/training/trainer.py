@@ -12,7 +12,9 @@
   9. update: M mini-batches of the mixed-policy loss (pre-update log-probs = behaviour log-probs);
   10. collect the groups into the buffer (mixed phase only); 11. switch to the mixed phase once the batch Pass@1
   of the policy's own members > threshold (the delayed start); 12. metrics.
-With experience.ratio = 0 the same loop is plain GRPO (PPO clipping throughout, buffer never used).
+With experience.ratio = 0 the same loop is plain GRPO (PPO clipping throughout, buffer never used). With
+rollout.mode async, steps 1-2 of step t + max_staleness run at the start of step t and its rollouts are sampled
+meanwhile (`exgrpo.training.pipeline`, docs/async.md).
 
 A question's success count k is the number of correct members among the policy's own (its rollouts and a replayed
 trajectory; demonstrations excluded): the bucket, the replay policy and retirement (k equal to the number of own
@@ -168,8 +170,9 @@ class ExGRPOTrainer:
         self.step += 1
         self.last_step = record = StepRecord(phase, groups, rewards, correct, advantages, batch, update,
                                              generated.stats)
-        metrics = step_metrics(record, self.buffer, step=self.step - 1, version=version, fresh_remaining=self.pool.remaining,
-                               learning_rate=self.update.learning_rate, skipped_updates=self.update.skipped_updates,
+        metrics = step_metrics(record, self.buffer, step=self.step - 1, version=version,
+                               fresh_remaining=self.pool.remaining, learning_rate=self.update.learning_rate,
+                               skipped_updates=self.update.skipped_updates,
                                solved=len(self.solved), guidance=bool(self.guidance), timings=timer.metrics(),
                                elapsed=time.perf_counter() - start)
         metrics.update(parity)
