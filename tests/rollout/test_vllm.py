@@ -154,7 +154,7 @@ def full_run(tmp_path_factory):
     return run_dir, _metrics(run_dir)
 
 
-def _same_run(got, want):
+def _same_run(got, want, loss_rel=1e-4):
     skip = ("time", "time/", "tokens_per_second")
     got = [{k: v for k, v in m.items() if not k.startswith(skip)} for m in got]
     want = [{k: v for k, v in m.items() if not k.startswith(skip)} for m in want]
@@ -162,7 +162,7 @@ def _same_run(got, want):
     for a, b in zip(got, want):
         for key in ("reward", "experience/trajectories", "experience/replayed", "phase", "completions/mean_length"):
             assert a[key] == b[key], (a["step"], key)
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-7)
+        assert a["loss"] == pytest.approx(b["loss"], rel=loss_rel, abs=1e-7)
 
 
 @pytest.mark.slow
@@ -187,7 +187,8 @@ def test_two_fsdp_ranks_with_one_engine_each_match_one_process(tmp_path, full_ru
     """Each rank's engine samples its shard of the groups; the push gathers the sharded LoRA policy."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m"]
     result = _train(tmp_path / "fsdp", "train.steps=2", "train.sharding=fsdp", launcher=torchrun)
-    _same_run(_metrics(tmp_path / "fsdp"), full_run[1][:2])
+    # two ranks sum in another order: 2.3e-4 relative on an AMD AVX2 CPU (2026-12-02), 1e-4 was enough elsewhere
+    _same_run(_metrics(tmp_path / "fsdp"), full_run[1][:2], loss_rel=1e-3)
     for rank in (0, 1):  # external_launcher: each rank's engine runs as that rank, on its device
         assert f"rank {rank}: vLLM engine on cpu (engine rank {rank}, local rank {rank})" in result.stderr
 
