@@ -128,8 +128,6 @@ def test_staleness_one_samples_step_t_from_the_weights_after_step_t_minus_one_an
     for t, step in enumerate(first):
         for _, versions, _ in step["groups"]:
             assert versions == [max(t - 1, 0)] * len(versions)  # one optimizer step per step
-        assert step["metrics"]["async/staleness_max"] == (0 if t == 0 else 1) if "async/staleness_max" in \
-            step["metrics"] else True
     # the engine ran the generation of step t + 1 before the push that followed step t's update
     assert trainer.engine.log[:4] == [("generate", 0), ("generate", 0), ("push", 1), ("generate", 1)]
     second = _run(_trainer(_config(staleness=1, steps=6, output_dir="again")))

@@ -35,8 +35,8 @@ class RolloutWorker:
     """Runs `engine.generate` and weight pushes in submission order on a thread of its own.
 
     Args:
-        engine: an engine with its own copy of the weights and a `push_weights(version)` method that loads the
-            learner's current weights into it at once.
+        engine: an engine with its own copy of the weights, a `push_weights(version)` method that loads the
+            learner's current weights into it at once, and the `weights_version` it holds.
         timeout: seconds a caller waits for any one result before the run stops with an EngineError.
     """
 
@@ -44,7 +44,6 @@ class RolloutWorker:
         self.engine, self.timeout = engine, timeout
         self._jobs: queue.Queue = queue.Queue()
         self._failure: BaseException | None = None
-        self._version = getattr(engine, "weights_version", 0)
         self.engine_busy = 0.0  # seconds spent in engine calls since the last `take_times`
         self.learner_waiting = 0.0  # seconds callers spent waiting for results since the last `take_times`
         self._started = time.perf_counter()
@@ -56,19 +55,16 @@ class RolloutWorker:
                  seeds: Sequence[int]) -> concurrent.futures.Future:
         """A future of `Sampled`: the rollouts of these requests, sampled after every earlier push."""
         prompts, seeds = [list(p) for p in prompt_ids], list(seeds)
-        return self._submit(lambda: Sampled(self.engine.generate(prompts, sampling, seeds),
-                                            getattr(self.engine, "weights_version", self._version)))
+        def run() -> Sampled:
+            return Sampled(self.engine.generate(prompts, sampling, seeds), self.engine.weights_version)
+
+        return self._submit(run)
 
     def push(self, version: int) -> concurrent.futures.Future:
         """Load the learner's weights, now at `version`, into the engine (`engine.push_weights`) once every
         earlier call is done. The push reads the learner's weights on the worker thread: the learner must not
         change them until this future is done (`wait`)."""
-        def run():
-            self.engine.push_weights(version)
-            self._version = version
-            return version
-
-        return self._submit(run)
+        return self._submit(lambda: self.engine.push_weights(version))
 
     def wait(self, future: concurrent.futures.Future, what: str):
         """The result of `future`, counting the wait as learner idle time; an EngineError past `timeout`."""
