@@ -30,8 +30,8 @@ demo: $(STAMP)
 # workers (the vLLM tests that share one run stay on one worker: --dist loadgroup).
 test:
 	$(MAKE) --no-print-directory -j2 $(STAMP) $(VLLM_STAMP)
-	$(PY) -m pytest -q -n 2
-	$(VLLM_VENV)/bin/python -m pytest -q -n 2 --dist loadgroup tests/rollout/test_vllm.py
+	$(PY) -m pytest -q -n 2 --durations=10
+	$(VLLM_VENV)/bin/python -m pytest -q -n 2 --dist loadgroup --durations=10 tests/rollout/test_vllm.py
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m "not slow and not exhaustive"
@@ -56,7 +56,7 @@ $(VLLM_STAMP): pyproject.toml constraints-vllm.txt
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q -n 2 --dist loadgroup tests/rollout/test_vllm.py
+	$(VLLM_VENV)/bin/python -m pytest -q -n 2 --dist loadgroup --durations=10 tests/rollout/test_vllm.py
 
 # TRL comparison (bench/trl_process.py, bench/step_time.py) in its own venv, so that .venv never gets trl/datasets.
 BENCH_VENV := .venv-bench

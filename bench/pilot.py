@@ -31,11 +31,14 @@ from exgrpo.training.run import build_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ARITHMETIC = "reasoning_gym:basic_arithmetic?min_terms={terms[0]}&max_terms={terms[1]}&min_digits={digits[0]}" \
-             "&max_digits={digits[1]}&operators={ops}&allow_negation=false&allow_parentheses=false&size=90&seed=11"
+             "&max_digits={digits[1]}&operators={ops}&allow_negation=false&allow_parentheses={paren}&size=90&seed=11"
 CANDIDATES = {  # name: data.train (90 questions; 40 held out, 50 trained on)
-    "mixed_ops": ARITHMETIC.format(terms=(2, 2), digits=(1, 2), ops="+-*"),
-    "mul_1-2digit": ARITHMETIC.format(terms=(2, 2), digits=(1, 2), ops="*"),
-    "ops_1-3digit": ARITHMETIC.format(terms=(2, 2), digits=(1, 3), ops="+-*"),
+    "mixed_ops": ARITHMETIC.format(terms=(2, 2), digits=(1, 2), ops="+-*", paren="false"),
+    "mul_1-2digit": ARITHMETIC.format(terms=(2, 2), digits=(1, 2), ops="*", paren="false"),
+    "ops_1-3digit": ARITHMETIC.format(terms=(2, 2), digits=(1, 3), ops="+-*", paren="false"),
+    # second pass: two to four terms with parentheses, so that part of the set stays out of reach
+    "terms_2-3": ARITHMETIC.format(terms=(2, 3), digits=(1, 2), ops="+-*", paren="true"),
+    "terms_2-4": ARITHMETIC.format(terms=(2, 4), digits=(1, 2), ops="+-*", paren="true"),
 }
 FASTEST = ["rollout.engine=vllm", "rollout.max_model_len=256", "rollout.generation_batch_size=48"]
 STEPS = 40

@@ -140,11 +140,7 @@ class ExGRPOTrainer:
     def train_step(self) -> tuple[dict, list[dict]]:
         """One step of ExGRPO (see the module docstring); returns its metrics and example completions."""
         c, timer, start = self.config, StageTimer(), time.perf_counter()
-        if self.pipeline:  # planned max_staleness steps ago, its rollouts sampled meanwhile
-            self.pipeline.worker.take_times()  # idle times count from here
-            planned, sampled_ahead = self.pipeline.next(self.step)
-        else:
-            planned, sampled_ahead = self.plan_step(self.step, timer=timer), None
+        planned, sampled_ahead = self._planned_step(timer)
         phase, version = planned.phase, self.update.weights_version
         generated = self.generation(planned.groups, self.step, self.settle,  # roll out, score, retire
                                     lambda n, asked: self.refill(n, phase, planned.rng, asked, timer), timer,
@@ -152,14 +148,7 @@ class ExGRPOTrainer:
         groups, rewards, correct = generated.groups, generated.rewards, generated.correct
         batch = pack_groups(groups, self.tokenizer.pad_token_id)
         advantages = group_advantages(torch.tensor(rewards.total, dtype=torch.float32), c.objective.scale_rewards)
-        if self.pipeline:
-            self.pipeline.weights_read()  # the last push has copied the weights this update changes
-        update = self.update(batch, advantages.reshape(-1),
-                             loss_settings(c.objective, c.rollout.max_completion_length, phase, c.guidance.gamma),
-                             c.experience.importance_correction, np.random.default_rng([c.train.seed, self.step, 2]),
-                             timer)
-        if self.pipeline:
-            self.pipeline.push(self.update.weights_version)
+        update = self._update(batch, advantages.reshape(-1), phase, timer)
         # the parity probe compares engine and trainer on the same weights: not on rollouts of older ones
         parity = self.parity(self.step, batch.engine_logp, batch.engine_mask, update.behaviour_logp) \
             if planned.version == version else {}
@@ -183,6 +172,26 @@ class ExGRPOTrainer:
                                           None if self.update.sharded else self.model))
         log_samples = c.logging.sample_every and self.step % c.logging.sample_every == 0
         return metrics, sample_lines(groups, rewards.total, self.tokenizer) if log_samples else []
+
+    def _planned_step(self, timer: StageTimer):
+        """Steps 1-2 (sync), or the step planned max_staleness steps ago with a wait for its rollouts (async)."""
+        if not self.pipeline:
+            return self.plan_step(self.step, timer=timer), None
+        self.pipeline.worker.take_times()  # idle times count from here
+        return self.pipeline.next(self.step)
+
+    def _update(self, batch, advantages: torch.Tensor, phase: str, timer: StageTimer):
+        """Step 9; async: once the last push has copied the weights it changes, and pushed after."""
+        c = self.config
+        if self.pipeline:
+            self.pipeline.weights_read()
+        update = self.update(batch, advantages,
+                             loss_settings(c.objective, c.rollout.max_completion_length, phase, c.guidance.gamma),
+                             c.experience.importance_correction, np.random.default_rng([c.train.seed, self.step, 2]),
+                             timer)
+        if self.pipeline:
+            self.pipeline.push(self.update.weights_version)
+        return update
 
     def plan_step(self, step: int, in_flight: frozenset[str] = frozenset(),
                   timer: StageTimer | None = None) -> PlannedStep:
