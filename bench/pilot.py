@@ -37,8 +37,8 @@ CANDIDATES = {  # name: data.train (90 questions; 40 held out, 50 trained on)
     "mul_1-2digit": ARITHMETIC.format(terms=(2, 2), digits=(1, 2), ops="*", paren="false"),
     "ops_1-3digit": ARITHMETIC.format(terms=(2, 2), digits=(1, 3), ops="+-*", paren="false"),
     # second pass: two to four terms with parentheses, so that part of the set stays out of reach
-    "terms_2-3": ARITHMETIC.format(terms=(2, 3), digits=(1, 2), ops="+-*", paren="true"),
     "terms_2-4": ARITHMETIC.format(terms=(2, 4), digits=(1, 2), ops="+-*", paren="true"),
+    "terms_2-4_3digit": ARITHMETIC.format(terms=(2, 4), digits=(1, 3), ops="+-*", paren="true"),
 }
 FASTEST = ["rollout.engine=vllm", "rollout.max_model_len=256", "rollout.generation_batch_size=48"]
 STEPS = 40

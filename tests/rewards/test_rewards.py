@@ -79,6 +79,16 @@ MATH_CASES = [
     (r"\boxed{1,000}", "1000", 1.0),
     ("answer:12", "12", 0.0),  # GAP: a number glued to a preceding ':' is not extracted at all
     ("(12)", "12", 0.0),  # GAP: nor a number in parentheses
+    # arithmetic for a numeric gold: math-verify evaluates it, so copying the question would be paid (not here)
+    ("752 * -611 + 290", "-459182", 0.0),
+    ("Calculate 752 * -611 + 290. The answer is 752 * -611 + 290.", "-459182", 0.0),
+    (r"\boxed{3 \cdot 4}", "12", 0.0),
+    (r"\boxed{2^{10}}", "1024", 0.0),
+    ("-459182", "-459182", 1.0),
+    ("3/4", r"\frac{3}{4}", 1.0),  # a plain fraction is a number written as one
+    ("-3 / 4", "-0.75", 1.0),
+    ("12.5%", "0.125", 1.0),
+    (r"\boxed{x = 5}", "5", 1.0),
     # boxes
     (r"Therefore $\boxed{12}$. Check: 3*4 = 12, and 5", "12", 1.0),
     (r"\boxed{7} then \boxed{12}", "12", 0.0),  # GAP: every box is kept and they merge into the set {7, 12}
@@ -189,9 +199,10 @@ def test_pool_matches_serial_grading(pool):
 
 
 def test_hanging_math_input_times_out(pool):
-    # sympy evaluates 9^(9^9) when comparing; the pool's 2 s timeout fires before math-verify's own 5 s one.
+    # sympy evaluates 9^(9^9) when comparing it with sqrt(2); the pool's 2 s timeout fires before math-verify's own
+    # 5 s one (against a numeric gold the expression is refused before any comparison).
     pool.pop_stats()
-    assert pool.grade(grade_math, [r"\boxed{9^{9^{9}}}", r"\boxed{12}"], ["12", "12"]) == [0.0, 1.0]
+    assert pool.grade(grade_math, [r"\boxed{9^{9^{9}}}", r"\boxed{12}"], [r"\sqrt{2}", "12"]) == [0.0, 1.0]
     assert pool.pop_stats() == {"graded": 2, "timeouts": 1, "crashes": 0, "errors": 0}
 
 

@@ -8,6 +8,7 @@ import re
 import signal
 import threading
 
+import sympy
 from math_verify import parse, verify
 
 _MV_TIMEOUT_S = 5  # math-verify's default parse and verify timeouts, which the released reward used
@@ -20,6 +21,8 @@ def grade_math(completion: str, gold: str, think_gate: bool = False) -> float:
     graded. The "<think>" half of the released gate is implied: our prompts end with "<think>\\n".
     Plain text is graded too: math-verify's expression fallback takes the last number in the text (but finds
     none in "answer:12" or "(12)"; tests/rewards/test_rewards.py lists these grader gaps).
+    Where the gold is a number, an answer written as arithmetic on numbers ("3 * 4", "752 * -611 + 290") scores
+    0.0: math-verify evaluates it, so a policy asked to compute an expression would be paid for copying it.
     """
     if think_gate:
         completion = after_think(completion)
@@ -32,9 +35,27 @@ def grade_math(completion: str, gold: str, think_gate: bool = False) -> float:
     try:
         gold_parsed = parse("$" + gold + "$", parsing_timeout=timeout)
         answer_parsed = parse(completion, parsing_timeout=timeout)
+        if _arithmetic_for_a_number(gold_parsed, answer_parsed):
+            return 0.0
         return float(verify(gold_parsed, answer_parsed, timeout_seconds=timeout))
     except Exception:
         return 0.0
+
+
+_FRACTION = re.compile(r"\s*-?\s*\d+\s*/\s*\d+\s*")
+
+
+def _arithmetic_for_a_number(gold_parsed: list, answer_parsed: list) -> bool:
+    """True when the gold is a number and the answer an unevaluated expression of numbers other than a plain
+    fraction or a percentage (math-verify's parse gives [sympy object, extracted text])."""
+    if len(gold_parsed) < 2 or len(answer_parsed) < 2:
+        return False
+    gold, answer = gold_parsed[0], answer_parsed[0]
+    if not isinstance(gold, sympy.Number) or not isinstance(answer, sympy.Expr) or isinstance(answer, sympy.Number):
+        return False
+    # numbers as written that math-verify keeps unevaluated: p/q, and n% (n * UnevaluatedExpr(1/100))
+    written_as_a_number = _FRACTION.fullmatch(str(answer_parsed[1])) or answer.has(sympy.UnevaluatedExpr)
+    return not answer.free_symbols and not written_as_a_number
 
 
 def after_think(text: str) -> str | None:
