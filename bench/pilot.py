@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ARITHMETIC = "reasoning_gym:basic_arithmetic?min_terms={terms[0]}&max_terms={terms[1]}&min_digits={digits[0]}" \
              "&max_digits={digits[1]}&operators={ops}&allow_negation=false&allow_parentheses={paren}&size=90&seed=11"
 CANDIDATES = {  # name: data.train (90 questions; 40 held out, 50 trained on)
+    "add_1-2digit": ARITHMETIC.format(terms=(2, 2), digits=(1, 2), ops="+", paren="false"),
     "mixed_ops": ARITHMETIC.format(terms=(2, 2), digits=(1, 2), ops="+-*", paren="false"),
     "mul_1-2digit": ARITHMETIC.format(terms=(2, 2), digits=(1, 2), ops="*", paren="false"),
     "ops_1-3digit": ARITHMETIC.format(terms=(2, 2), digits=(1, 3), ops="+-*", paren="false"),
