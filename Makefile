@@ -27,11 +27,11 @@ demo: $(STAMP)
 	$(VENV)/bin/exgrpo demo --config configs/demo.yaml
 
 # Both venvs are built at once (pip spends much of its time unpacking), then each suite runs on two pytest-xdist
-# workers (the vLLM tests that share one run stay on one worker: --dist loadgroup).
+# workers (a run the vLLM tests share is trained once, by whichever worker asks first).
 test:
 	$(MAKE) --no-print-directory -j2 $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q -n 2 --durations=10
-	$(VLLM_VENV)/bin/python -m pytest -q -n 2 --dist loadgroup --durations=10 tests/rollout/test_vllm.py
+	$(VLLM_VENV)/bin/python -m pytest -q -n 2 --durations=10 tests/rollout/test_vllm.py
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m "not slow and not exhaustive"
@@ -56,7 +56,7 @@ $(VLLM_STAMP): pyproject.toml constraints-vllm.txt
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q -n 2 --dist loadgroup --durations=10 tests/rollout/test_vllm.py
+	$(VLLM_VENV)/bin/python -m pytest -q -n 2 --durations=10 tests/rollout/test_vllm.py
 
 # TRL comparison (bench/trl_process.py, bench/step_time.py) in its own venv, so that .venv never gets trl/datasets.
 BENCH_VENV := .venv-bench

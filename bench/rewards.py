@@ -34,6 +34,8 @@ import time
 
 from exgrpo.rewards import GradingPool, grade_choice, grade_math
 
+# graded against a gold that is not a number: against one, arithmetic is refused before math-verify compares
+ADVERSARIAL_GOLD = "\\sqrt{2}"
 ADVERSARIAL = {
     "power_tower": "\\boxed{9^{9^{9}}}",
     "power_tower_10": "The answer is $10^{10^{10}}$.",
@@ -98,10 +100,11 @@ def timed_grade(pool: GradingPool, completions, golds) -> tuple[float, list[floa
 
 def serial_adversarial(text: str, limit: float) -> dict:
     code = ("import sys, time; from exgrpo.rewards import grade_math; t = time.perf_counter(); "
-            "s = grade_math(sys.argv[1], '1'); print(time.perf_counter() - t, s)")
+            "s = grade_math(sys.argv[1], sys.argv[2]); print(time.perf_counter() - t, s)")
     t = time.perf_counter()
     try:
-        done = subprocess.run([sys.executable, "-c", code, text], capture_output=True, text=True, timeout=limit)
+        done = subprocess.run([sys.executable, "-c", code, text, ADVERSARIAL_GOLD], capture_output=True, text=True,
+                              timeout=limit)
         seconds, score = done.stdout.split()
         return {"finished": True, "seconds": float(seconds), "score": float(score)}
     except subprocess.TimeoutExpired:
@@ -168,12 +171,12 @@ def main() -> None:
     pool = pools[2]
     batch_seconds, _ = timed_grade(pool, completions[:100], golds[:100])
     for name, text in ADVERSARIAL.items():
-        alone, scores = timed_grade(pool, [text], ["1"])
+        alone, scores = timed_grade(pool, [text], [ADVERSARIAL_GOLD])
         t = time.perf_counter()
         timed_grade(pool, completions[:2], golds[:2])  # the pool is ready again (replacement done in the call)
         ready_after = time.perf_counter() - t
         mixed = completions[:50] + [text] + completions[50:100]
-        mixed_golds = golds[:50] + ["1"] + golds[50:100]
+        mixed_golds = golds[:50] + [ADVERSARIAL_GOLD] + golds[50:100]
         with_adv, _ = timed_grade(pool, mixed, mixed_golds)
         record = {"bench": "reward_adversarial", "input": name, "chars": len(text), "timeout": args.timeout,
                   "workers": 2, "alone_seconds": alone, "score": scores[0],

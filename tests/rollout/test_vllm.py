@@ -125,8 +125,13 @@ def test_bad_engines_are_refused_with_the_reason():
         VLLMEngine(tiny, tok, max_model_len=64, max_num_seqs=2)
 
 
+# one-digit addition: answered within 12 tokens often enough that 4 steps store and replay successes
+ONE_DIGIT = ("data.train=reasoning_gym:basic_arithmetic?size=200&seed=1&min_terms=2&max_terms=2&min_digits=1"
+             "&max_digits=1&operators=+&allow_negation=false&allow_parentheses=false")
+
+
 def _command(run_dir, *extra, launcher=(sys.executable, "-m")):
-    return [*launcher, "exgrpo", "train", "--config", str(ROOT / "configs" / "demo.yaml"),
+    return [*launcher, "exgrpo", "train", "--config", str(ROOT / "configs" / "demo.yaml"), ONE_DIGIT,
             "rollout.engine=vllm", "train.steps=4", "train.prompts_per_step=4", "rollout.num_generations=4",
             "rollout.max_completion_length=12", "objective.normalizer=12", "experience.start_threshold=0.0",
             "train.save_every=1", "train.save_total_limit=4", "eval.every=0", "data.holdout=0",
@@ -146,12 +151,27 @@ def _metrics(run_dir):
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def _shared_run(tmp_path_factory, name: str, *extra):
+    """A run trained once per test session, whichever xdist worker asks first (xdist may tear a module's fixtures
+    down between two tests of a group), and its metrics. Tests only read it."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # .../pytest-N/popen-gwK: pytest-N is the session's, shared
+        root = root.parent
+    run_dir = root / name
+    with FileLock(str(root / f"{name}.lock")):
+        if not (run_dir / "trained").exists():
+            shutil.rmtree(run_dir, ignore_errors=True)
+            _train(run_dir, *extra)
+            (run_dir / "trained").touch()
+    return run_dir, _metrics(run_dir)
+
+
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
     """A 4-step run (checkpoints after every step) and its metrics."""
-    run_dir = tmp_path_factory.mktemp("full")
-    _train(run_dir)
-    return run_dir, _metrics(run_dir)
+    return _shared_run(tmp_path_factory, "full")
 
 
 def _same_run(got, want, loss_rel=1e-4):
@@ -166,7 +186,6 @@ def _same_run(got, want, loss_rel=1e-4):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("full_run")  # one worker computes the shared run
 def test_exgrpo_with_the_vllm_engine_switches_replays_and_resumes_exactly(tmp_path, full_run):
     run_dir, full = full_run
     assert [m["phase"] for m in full][1:] == ["mixed"] * 3 and full[-1]["experience/replayed"] > 0
@@ -182,7 +201,6 @@ def test_exgrpo_with_the_vllm_engine_switches_replays_and_resumes_exactly(tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("full_run")  # one worker computes the shared run
 def test_two_fsdp_ranks_with_one_engine_each_match_one_process(tmp_path, full_run):
     """Each rank's engine samples its shard of the groups; the push gathers the sharded LoRA policy."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m"]
@@ -194,7 +212,6 @@ def test_two_fsdp_ranks_with_one_engine_each_match_one_process(tmp_path, full_ru
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("full_run")  # one worker computes the shared run
 def test_an_exported_checkpoint_loads_in_vllm_with_its_chat_template(tmp_path, full_run, monkeypatch):
     """`exgrpo export RUN OUT --merge` of the LoRA run: vLLM loads OUT by itself, and its greedy tokens are
     transformers' on the same directory."""
@@ -218,7 +235,6 @@ def test_an_exported_checkpoint_loads_in_vllm_with_its_chat_template(tmp_path, f
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("full_run")
 def test_async_with_staleness_zero_is_the_sync_run(tmp_path, full_run):
     """The engine in its own process, weights through vLLM's weight-transfer interface, s = 0: sync's run."""
     _train(tmp_path / "zero", "rollout.mode=async", "rollout.max_staleness=0", "train.steps=2")
@@ -228,9 +244,7 @@ def test_async_with_staleness_zero_is_the_sync_run(tmp_path, full_run):
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory):
     """A 4-step async run, s = 1 (checkpoints after every step), and its metrics."""
-    run_dir = tmp_path_factory.mktemp("async")
-    _train(run_dir, "rollout.mode=async")
-    return run_dir, _metrics(run_dir)
+    return _shared_run(tmp_path_factory, "async", "rollout.mode=async")
 
 
 def _start(run_dir, *extra) -> subprocess.Popen:
@@ -246,7 +260,6 @@ def _when_checkpoint(run_dir, step: int, process: subprocess.Popen, timeout: flo
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("async_run")
 def test_an_async_run_is_one_step_off_policy_and_resumes_exactly_after_a_sigkill(tmp_path, async_run):
     run_dir, whole = async_run
     assert [m["async/staleness_max"] for m in whole] == [0, 1, 1, 1]  # step t sampled from the weights of t - 1
@@ -264,7 +277,6 @@ def test_an_async_run_is_one_step_off_policy_and_resumes_exactly_after_a_sigkill
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("async_run")
 def test_exgrpo_buffer_shows_what_the_async_run_stored(async_run):
     run_dir, whole = async_run
     result = run_cli(["buffer", str(run_dir), "--json"])
