@@ -152,8 +152,8 @@ def _metrics(run_dir):
 
 
 def _shared_run(tmp_path_factory, name: str, *extra):
-    """A run trained once per test session, whichever xdist worker asks first (xdist may tear a module's fixtures
-    down between two tests of a group), and its metrics. Tests only read it."""
+    """A run trained once per test session by whichever xdist worker asks first (a module fixture is per worker,
+    so each worker would train its own), and its metrics. Tests only read it."""
     from filelock import FileLock
 
     root = tmp_path_factory.getbasetemp()
