@@ -19,11 +19,10 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import exgrpo  # noqa: E402
-from exgrpo.config import load_config  # noqa: E402
 from exgrpo.rewards.graders import grade_math  # noqa: E402
 from exgrpo.rollout import SamplingSettings  # noqa: E402
 from exgrpo.training.run import build_run  # noqa: E402
-from pilot import CANDIDATES, FASTEST, ROOT  # noqa: E402
+from pilot import grpo_config  # noqa: E402
 
 
 def _bare(text: str) -> str:
@@ -46,11 +45,7 @@ def measure(trainer, when: str) -> dict:
 
 
 def main(name: str, steps: int) -> None:
-    config = load_config(ROOT / "configs" / "demo.yaml", [
-        f"data.train={CANDIDATES[name]}", "data.holdout=40", "experience.ratio=0", f"train.steps={steps}",
-        "eval.every=0", f"logging.output_dir=/tmp/copying/{name}", "logging.overwrite=true", "logging.progress=false",
-        "logging.tensorboard=false", "logging.sample_every=0", "train.save_every=0", *FASTEST])
-    run = build_run(config, log=lambda _: None)
+    run = build_run(grpo_config(name, steps, f"/tmp/copying/{name}", eval_every=0), log=lambda _: None)
     print(json.dumps({"setting": name, **measure(run.trainer, "step 0")}), flush=True)
     run.trainer.train()
     print(json.dumps({"setting": name, **measure(run.trainer, f"step {steps}")}), flush=True)

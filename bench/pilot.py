@@ -45,12 +45,18 @@ FASTEST = ["rollout.engine=vllm", "rollout.max_model_len=256", "rollout.generati
 STEPS = 40
 
 
+def grpo_config(name: str, steps: int, output_dir: str, eval_every: int):
+    """The demo recipe with GRPO on candidate `name`, on the fastest engine, logging only metrics."""
+    return load_config(ROOT / "configs" / "demo.yaml", [
+        f"data.train={CANDIDATES[name]}", "data.holdout=40", "experience.ratio=0", f"train.steps={steps}",
+        f"eval.every={eval_every}", f"logging.output_dir={output_dir}", "logging.overwrite=true",
+        "logging.progress=false", "logging.tensorboard=false", "logging.sample_every=0", "train.save_every=0",
+        *FASTEST])
+
+
 def pilot(name: str) -> dict:
     start = time.perf_counter()
-    config = load_config(ROOT / "configs" / "demo.yaml", [
-        f"data.train={CANDIDATES[name]}", "data.holdout=40", "experience.ratio=0", f"train.steps={STEPS}",
-        "eval.every=10", f"logging.output_dir=/tmp/pilot/{name}", "logging.overwrite=true", "logging.progress=false",
-        "logging.tensorboard=false", "logging.sample_every=0", "train.save_every=0", *FASTEST])
+    config = grpo_config(name, STEPS, f"/tmp/pilot/{name}", eval_every=10)
     run = build_run(config, log=lambda _: None)
     trainer, K = run.trainer, config.rollout.num_generations
     latest, draws, evaluations, mid_share = {}, Counter(), {0: trainer.evaluate().mean}, []

@@ -7,7 +7,6 @@ directories are only read.
     .venv-vllm/bin/python bench/retention.py runs/round-three/*/seed-*   # -> bench/results/retention.jsonl
 """
 
-import dataclasses
 import json
 import os
 import sys
@@ -29,9 +28,7 @@ def retention(run_dir: Path) -> dict:
     if checkpoint is None:
         raise SystemExit(f"{run_dir}: no intact checkpoint")
     config = load_config(base=read_trainer_json(checkpoint)["config"])
-    # nothing is written: the run is built only to load the questions, the model and the grader
-    config = dataclasses.replace(config, logging=dataclasses.replace(config.logging, output_dir=str(run_dir)))
-    run = build_run(config, log=lambda _: None)
+    run = build_run(config, log=lambda _: None)  # the questions, the model and the grader; nothing is written
     try:
         trainer = run.trainer
         state = load_checkpoint(checkpoint, trainer.model)

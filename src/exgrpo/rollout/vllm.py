@@ -164,6 +164,19 @@ def check_pushable(model) -> None:
                                   "rescaled per column; use plain LoRA, or rollout.engine hf")
 
 
+def _start_llm(vllm, kwargs: dict, config):
+    """vllm.LLM(**kwargs) with the process state it changes restored; an architecture vLLM lacks is an
+    EngineError naming it."""
+    with _ProcessState():
+        try:
+            return vllm.LLM(**kwargs)
+        except ValueError as e:  # pydantic's ValidationError for an architecture vLLM lacks
+            if "not supported" in str(e):
+                raise EngineError(f"vLLM cannot run {', '.join(config.architectures or ['this model'])}: "
+                                  f"{str(e).splitlines()[-1].strip()[:300]}") from None
+            raise
+
+
 class VLLMEngine:
     """A RolloutEngine sampling with vLLM from a copy of `model` (see the module docstring).
 
@@ -202,24 +215,9 @@ class VLLMEngine:
             self.max_model_len = min(max_model_len or limit, limit)
             kwargs = dict(model=self._dir, dtype=dtype, seed=seed, max_model_len=self.max_model_len,
                           max_num_seqs=max_num_seqs, logprobs_mode="processed_logprobs", generation_config="vllm",
-                          max_logprobs=1, disable_log_stats=True)
-            if launched:  # one engine per torchrun rank, on that rank's device
-                kwargs.update(distributed_executor_backend="external_launcher")
-            if engine_process:
-                if self.cuda or launched:
-                    raise EngineError("the vLLM engine in its own process (rollout.mode async) runs on CPU in one "
-                                      "process for now")
-                kwargs.update(weight_transfer_config={"backend": "exgrpo_shm"},
-                              worker_extension_cls="exgrpo.rollout.weight_transfer.WorkerExtension")
-            kwargs.update(self._memory_kwargs(config, dtype, max_num_seqs, gpu_memory_utilization, kv_cache_gb))
-            with _ProcessState():
-                try:
-                    self.llm = vllm.LLM(**kwargs)
-                except ValueError as e:  # pydantic's ValidationError for an architecture vLLM lacks
-                    if "not supported" in str(e):
-                        raise EngineError(f"vLLM cannot run {', '.join(config.architectures or ['this model'])}: "
-                                          f"{str(e).splitlines()[-1].strip()[:300]}") from None
-                    raise
+                          max_logprobs=1, disable_log_stats=True, **self._placement_kwargs(launched),
+                          **self._memory_kwargs(config, dtype, max_num_seqs, gpu_memory_utilization, kv_cache_gb))
+            self.llm = _start_llm(vllm, kwargs, config)
             if launched:
                 self._check_placement()
             if engine_process:
@@ -228,6 +226,18 @@ class VLLMEngine:
         except BaseException:
             shutil.rmtree(self._dir, ignore_errors=True)
             raise
+
+    def _placement_kwargs(self, launched: bool) -> dict:
+        """One engine per torchrun rank, on that rank's device; async mode: the engine in processes of its own,
+        its weights pushed through our shared-memory weight-transfer backend."""
+        kwargs = dict(distributed_executor_backend="external_launcher") if launched else {}
+        if self.engine_process:
+            if self.cuda or launched:
+                raise EngineError("the vLLM engine in its own process (rollout.mode async) runs on CPU in one "
+                                  "process for now")
+            kwargs.update(weight_transfer_config={"backend": "exgrpo_shm"},
+                          worker_extension_cls="exgrpo.rollout.weight_transfer.WorkerExtension")
+        return kwargs
 
     def _memory_kwargs(self, config, dtype: str, max_num_seqs: int, gpu_memory_utilization: float,
                        kv_cache_gb: float | None) -> dict:
