@@ -60,7 +60,8 @@ def test_study_runs_every_arm_and_seed_once_and_reports(tmp_path):
     assert done.returncode == 0, done.stderr
     text = (out / "report.md").read_text()
     assert "| GRPO | 1, 2 |" in text and "| uniform | 1 |" in text
-    assert "| ExGRPO | 1, 2 |" in text.split("## Paired differences")[1]  # uniform has one seed: no interval
+    paired = text.split("## Paired differences")[1].split("## Buffer")[0]
+    assert "| ExGRPO − GRPO | 1, 2 |" in paired and "uniform" not in paired  # uniform has one seed: no interval
     for png in ("main_heldout.png", "main_training.png", "main_buffer.png", "main_analyses.png",
                 "ablations_heldout.png", "all_final.png"):
         assert (out / png).stat().st_size > 1000 and f"({png})" in text
@@ -129,23 +130,20 @@ def test_bad_study_files_name_the_key(tmp_path, change, message):
         load_study(path)
 
 
-def _paired(steps, rollouts=None):
-    from exgrpo.studies.statistics import PairedDifference
-
-    steps = np.array(steps) / 100
-    return PairedDifference([1, 2, 3], steps, steps if rollouts is None else np.array(rollouts) / 100, [60] * 3)
-
-
 def test_t_interval_and_the_pre_registered_verdict_rules():
     from exgrpo.studies.statistics import t_interval, verdict
 
     mean, low, high = t_interval(np.array([1.0, 2.0, 3.0]))
     assert mean == 2.0 and high - mean == pytest.approx(4.303 * 1.0 / np.sqrt(3))
-    assert verdict(_paired([4, 5, 6])) == "helps"  # mean +5, interval [+2.5, +7.5]
-    assert verdict(_paired([2, 2.5, 3])) == "no difference"  # mean below +3, interval inside ±5
-    assert verdict(_paired([-4, -5, -6])) == "hurts"
-    assert verdict(_paired([-4, -5, -6], rollouts=[1, 1, 1])) == "inconclusive at this power"  # sign flips
-    assert verdict(_paired([-10, 5, 20])) == "inconclusive at this power"
+
+    def points(*values):
+        return verdict(np.array(values) / 100)
+
+    assert points(4, 5, 6) == "helps"  # mean +5, interval [+2.5, +7.5]
+    assert points(2, 2.5, 3) == "no difference"  # mean below +3, interval inside ±5
+    assert points(-4, -5, -6) == "hurts"
+    assert points(-1, -2.5, -4) == "inconclusive at this power"  # mean −2.5, interval reaching past −5
+    assert points(-10, 5, 20) == "inconclusive at this power"
     with pytest.raises(ValueError, match="2 to 10"):
         t_interval(np.array([0.1]))
 

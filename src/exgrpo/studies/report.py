@@ -179,22 +179,19 @@ def _interval_text(values: np.ndarray) -> str:
     return f"{100 * mean:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]"
 
 
-def paired_table(arms: dict[str, list[RunResult]], names: list[str], baseline: str) -> list[str]:
-    """Per arm: the paired difference to the baseline at equal steps and at equal rollouts (mean and 95%
-    t-interval over seeds, accuracy points), per seed, and the verdict under the round-two rules."""
-    label = arms[baseline][0].arm.label
-    lines = [f"| arm − {label} | seeds | Δ at equal steps: mean [95% CI] | per seed | Δ at equal rollouts: mean "
-             f"[95% CI] | {label} step used | verdict |", "|---|---|---:|---|---:|---|---|"]
-    for name in names:
-        if name == baseline:
-            continue
-        d = paired_difference(arms[name], arms[baseline])
+def paired_table(arms: dict[str, list[RunResult]], comparisons: list[tuple[str, str]]) -> list[str]:
+    """Per (arm, reference) comparison: the paired difference at equal steps and at equal rollouts (mean and 95%
+    t-interval over seeds, accuracy points), per seed, and the pre-registered verdict on each difference."""
+    lines = ["| comparison | seeds | Δ at equal steps: mean [95% CI] | per seed | verdict | Δ at equal rollouts: "
+             "mean [95% CI] | reference step used | verdict |", "|---|---|---:|---|---|---:|---|---|"]
+    for name, reference in comparisons:
+        d = paired_difference(arms[name], arms[reference])
         if len(d.seeds) < 2:
             continue
-        lines.append(f"| {arms[name][0].arm.label} | {', '.join(map(str, d.seeds))} | "
-                     f"{_interval_text(d.at_equal_steps)} | {' / '.join(f'{100 * x:+.1f}' for x in d.at_equal_steps)}"
-                     f" | {_interval_text(d.at_equal_rollouts)} | {' / '.join(map(str, d.baseline_steps))} | "
-                     f"{verdict(d)} |")
+        lines.append(f"| {arms[name][0].arm.label} − {arms[reference][0].arm.label} | {', '.join(map(str, d.seeds))}"
+                     f" | {_interval_text(d.at_equal_steps)} | {' / '.join(f'{100 * x:+.1f}' for x in d.at_equal_steps)}"
+                     f" | {verdict(d.at_equal_steps)} | {_interval_text(d.at_equal_rollouts)} | "
+                     f"{' / '.join(map(str, d.baseline_steps))} | {verdict(d.at_equal_rollouts)} |")
     return lines
 
 
@@ -289,6 +286,8 @@ def write_study_report(study: Study, out: str | Path, main_arms: list[str], only
     rows = {r.seed: r.initial["num_questions"] for runs in arms.values() for r in runs}
     held_out = ", ".join(f"seed {seed}: {n}" for seed, n in sorted(rows.items()))
     references = list(dict.fromkeys([study.baseline, main_arms[-1]]))  # deltas against GRPO and against ExGRPO
+    comparisons = [(n, study.baseline) for n in names if n != study.baseline] + \
+        [(main_arms[-1], n) for n in ablations if main_arms[-1] != study.baseline]  # what each ablation removes
     lines = [
         f"# Study `{study.path.name}`", "",
         f"Base config `{study.base.name}`, {c.train.steps} steps × {c.train.prompts_per_step} questions × "
@@ -296,10 +295,10 @@ def write_study_report(study: Study, out: str | Path, main_arms: list[str], only
         f"{c.eval.temperature} over each seed's held-out rows ({held_out}); ± is the std over seeds, "
         "SE = std / √seeds.", "",
         "## Final held-out accuracy", "", *final_table(arms, names, references), "",
-        "## Paired differences to the baseline (accuracy points)", "",
-        "Equal rollouts: the baseline at its last evaluation whose cumulative sampled rollouts do not exceed the "
-        "arm's. Verdict: the rules pre-registered in docs/results.md (round two) applied to the equal-steps "
-        "difference.", "", *paired_table(arms, names, study.baseline), "",
+        "## Paired differences (accuracy points)", "",
+        "Equal rollouts: the reference arm at its last evaluation whose cumulative sampled rollouts do not exceed "
+        "the arm's. Verdict: the rules pre-registered in docs/results.md applied to each difference; the "
+        "registration says which one is primary.", "", *paired_table(arms, comparisons), "",
         "## Buffer and replay (end of training, mean over seeds)", "", *buffer_table(arms, names), "",
         "## Coverage, zero-variance groups, entropy (mean over seeds)", "", *analyses_table(arms, names), "",
         *[f"![{p}]({p})" for p in plots], "",
