@@ -30,6 +30,8 @@ SAMPLES, SEED, MID_STEP = 4, 20261202, 20
 
 
 def criteria(run_dir: Path, trainer_state: dict, num_questions: int, K: int) -> dict:
+    """The registration criteria of issue #26 on one run (see the module docstring), from its metrics and the
+    final checkpoint's trainer state."""
     history = read_metrics(run_dir / "metrics.jsonl")
     evaluations = [m["eval/accuracy"] for m in history if "eval/accuracy" in m]
     mid = next(m for m in history if m["step"] == MID_STEP)
