@@ -96,37 +96,42 @@ def token_logprobs(model, batch: PackedBatch, temperature: float, rows: slice | 
     recomputed in backward, so (tokens x vocabulary) logits never exist at once; None computes them in one go.
     Padding positions hold 0: mask them with `batch.completion_mask`.
     """
-    n_rows, T_full = batch.completion_ids[rows].shape
+    T_full = batch.completion_ids.shape[1]
     input_ids, attention, positions, targets, mask = _trimmed(batch, rows, device)
-    T = targets.shape[1]
-    P = input_ids.shape[1] - T
-    first, owner = distinct_rows(torch.cat([input_ids[:, :P], attention[:, :P]], dim=1))
-    share = prompt_sharing == "always" or (prompt_sharing == "auto" and len(first) < len(input_ids))
     want_hidden = chunk_tokens is not None
-    extra = {"output_hidden_states": True} if want_hidden else {}
-    if not share:
-        out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                    logits_to_keep=1 if want_hidden else T + 1, use_cache=False, **extra)
-        final = out.hidden_states[-1][:, P - 1:-1] if want_hidden else out.logits[:, :-1]
-    else:
-        # The prompt pass goes through the bare module: a DDP wrapper allows one forward per backward, and
-        # each parameter still receives a single (summed) gradient from both passes.
-        head = _unwrapped(model)(input_ids=input_ids[first, :P], attention_mask=attention[first, :P],
-                    position_ids=positions[first, :P], use_cache=True, logits_to_keep=1, **extra)
-        cache = head.past_key_values
-        cache.batch_select_indices(owner)
-        out = model(input_ids=targets, attention_mask=attention, position_ids=positions[:, P:],
-                    past_key_values=cache, use_cache=True, logits_to_keep=1 if want_hidden else 0, **extra)
-        if want_hidden:
-            final = torch.cat([head.hidden_states[-1][owner, -1:], out.hidden_states[-1][:, :-1]], dim=1)
-        else:
-            final = torch.cat([head.logits[owner], out.logits[:, :-1]], dim=1)
+    final = _final_states(model, input_ids, attention, positions, targets, prompt_sharing, want_hidden)
     if want_hidden:
         logp, entropy = _chunked_head(_output_head(model), final, targets, mask, temperature, with_entropy,
                                       chunk_tokens)
     else:
         logp, entropy = _head_values(final, targets, temperature, with_entropy)
     return _pad_to(logp * mask, T_full), (_pad_to(entropy * mask, T_full) if with_entropy else None)
+
+
+def _final_states(model, input_ids, attention, positions, targets, prompt_sharing: str, want_hidden: bool):
+    """(n, T, ·) the states that predict each of the T completion tokens: last-layer hidden states when
+    `want_hidden` (for a chunked head), else logits. With prompt sharing, each distinct prompt runs once and its
+    KV cache is indexed out to the rows that share it."""
+    T = targets.shape[1]
+    P = input_ids.shape[1] - T
+    first, owner = distinct_rows(torch.cat([input_ids[:, :P], attention[:, :P]], dim=1))
+    share = prompt_sharing == "always" or (prompt_sharing == "auto" and len(first) < len(input_ids))
+    extra = {"output_hidden_states": True} if want_hidden else {}
+    if not share:
+        out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                    logits_to_keep=1 if want_hidden else T + 1, use_cache=False, **extra)
+        return out.hidden_states[-1][:, P - 1:-1] if want_hidden else out.logits[:, :-1]
+    # The prompt pass goes through the bare module: a DDP wrapper allows one forward per backward, and each
+    # parameter still receives a single (summed) gradient from both passes.
+    head = _unwrapped(model)(input_ids=input_ids[first, :P], attention_mask=attention[first, :P],
+                             position_ids=positions[first, :P], use_cache=True, logits_to_keep=1, **extra)
+    cache = head.past_key_values
+    cache.batch_select_indices(owner)
+    out = model(input_ids=targets, attention_mask=attention, position_ids=positions[:, P:],
+                past_key_values=cache, use_cache=True, logits_to_keep=1 if want_hidden else 0, **extra)
+    if want_hidden:
+        return torch.cat([head.hidden_states[-1][owner, -1:], out.hidden_states[-1][:, :-1]], dim=1)
+    return torch.cat([head.logits[owner], out.logits[:, :-1]], dim=1)
 
 
 def _trimmed(batch: PackedBatch, rows, device):

@@ -191,7 +191,7 @@ def paired_table(arms: dict[str, list[RunResult]], comparisons: list[tuple[str, 
         lines.append(f"| {arms[name][0].arm.label} − {arms[reference][0].arm.label} | {', '.join(map(str, d.seeds))}"
                      f" | {_interval_text(d.at_equal_steps)} | {' / '.join(f'{100 * x:+.1f}' for x in d.at_equal_steps)}"
                      f" | {verdict(d.at_equal_steps)} | {_interval_text(d.at_equal_rollouts)} | "
-                     f"{' / '.join(map(str, d.baseline_steps))} | {verdict(d.at_equal_rollouts)} |")
+                     f"{' / '.join(map(str, d.reference_steps))} | {verdict(d.at_equal_rollouts)} |")
     return lines
 
 

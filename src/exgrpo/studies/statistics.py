@@ -22,17 +22,18 @@ def t_interval(values: np.ndarray) -> tuple[float, float, float]:
 
 @dataclass
 class PairedDifference:
-    """An arm minus the baseline on the seeds both ran, in accuracy units."""
+    """An arm minus a reference arm (the baseline, or the arm an ablation changes) on the seeds both ran, in
+    accuracy units."""
 
     seeds: list[int]
-    at_equal_steps: np.ndarray  # (n,) final accuracy − the baseline's final accuracy
-    at_equal_rollouts: np.ndarray  # (n,) final accuracy − the baseline's last evaluation within as many rollouts
-    baseline_steps: list[int]  # (n,) the step of that baseline evaluation
+    at_equal_steps: np.ndarray  # (n,) final accuracy − the reference's final accuracy
+    at_equal_rollouts: np.ndarray  # (n,) final accuracy − the reference's last evaluation within as many rollouts
+    reference_steps: list[int]  # (n,) the step of that reference evaluation
 
 
-def paired_difference(runs: list[RunResult], baseline: list[RunResult]) -> PairedDifference:
-    base = {r.seed: r for r in baseline}
-    pairs = [(r, base[r.seed]) for r in runs if r.seed in base]
+def paired_difference(runs: list[RunResult], reference: list[RunResult]) -> PairedDifference:
+    by_seed = {r.seed: r for r in reference}
+    pairs = [(r, by_seed[r.seed]) for r in runs if r.seed in by_seed]
     within = [b.accuracy_within(r.fresh_rollouts()[-1]) for r, b in pairs]
     return PairedDifference([r.seed for r, _ in pairs],
                             np.array([r.final_accuracy - b.final_accuracy for r, b in pairs]),
