@@ -177,13 +177,23 @@ def sigterm_twice_in_a_hung_reward(d):
         assert proc.poll() is None and time.time() < deadline
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGTERM)
-    time.sleep(1.0)
+    seen = []  # the second SIGTERM only once the first is acknowledged: two at once would merge into one
+    while not seen or "SIGTERM: stopping after this step" not in seen[-1]:
+        seen.append(proc.stderr.readline())
+        assert seen[-1], "".join(seen)  # EOF: the process ended before acknowledging
     asked = time.monotonic()
     os.killpg(proc.pid, signal.SIGTERM)
     _, stderr = proc.communicate(timeout=60)
     assert time.monotonic() - asked < 10 and checkpoints(d) == [] and steps(d) == []
-    assert "SIGTERM: stopping after this step" in stderr
-    return subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, "", "".join(seen) + stderr)
+
+
+def raising_on_some_completions(d):
+    result = train(d, "reward.function=toy_rewards:raises_on_uppercase", "train.steps=3")
+    assert result.stderr.count("the first failure") == 1  # shown once, not at every step
+    failed = [json.loads(line)["grading/errors"] for line in (d / "metrics.jsonl").read_text().splitlines()]
+    assert 0 < sum(failed) < 3 * 16, failed  # counted per step
+    return result
 
 
 def disk_full_while_checkpointing(d):
@@ -207,6 +217,17 @@ def disk_full_while_logging(d):
     failed = train(d, "train.steps=20", "train.save_every=0", preexec_fn=small_disk)
     assert failed.stderr.count("File too large") == 1 and checkpoints(d) == []
     return failed
+
+
+def buffer_of_a_checkpoint_with_a_truncated_buffer(d):
+    assert train(d, "train.steps=1").returncode == 0
+    checkpoint = Path(d) / "checkpoints" / "step-000001"
+    buffer = checkpoint / "buffer.safetensors"
+    buffer.write_bytes(buffer.read_bytes()[:-100])
+    assert "no intact checkpoint in" in run_cli(["buffer", str(d)]).stderr  # the run: verified, refused
+    assert "buffer.safetensors has " in run_cli(["buffer", str(checkpoint)]).stderr  # the checkpoint: verified
+    (checkpoint / "manifest.json").unlink()  # an unverifiable checkpoint: the file itself is refused by name
+    return run_cli(["buffer", str(checkpoint)])
 
 
 def benchmark_questions_held_out(d):
@@ -251,6 +272,15 @@ CASES = {  # name: (case, exit code, message on stderr)
     "skipped updates beyond the budget": (lambda d: train(d, "train.skip_grad_norm=1e-12",
                                                           "train.max_skipped_updates=1"), 2,
                                           "more than train.max_skipped_updates 1"),
+    "reward raising on every completion": (lambda d: train(d, "reward.function=toy_rewards:raises"), 2,
+                                           "ZeroDivisionError: a bug in the reward function"),
+    "reward returning a string": (lambda d: train(d, "reward.function=toy_rewards:returns_a_string"), 2,
+                                  "failed on every one of the 16 completions it graded"),
+    "reward returning a scalar": (lambda d: train(d, "reward.function=toy_rewards:returns_a_scalar"), 2,
+                                  "returned 1.0 for one completion"),
+    "reward returning a list of the wrong length": (
+        lambda d: train(d, "reward.function=toy_rewards:returns_two_rewards"), 2, "returned [1.0, 0.0] for one"),
+    "reward raising on some completions": (raising_on_some_completions, 0, "the first failure:\nKeyError"),
     "grading timeouts": (grading_timeouts, 0, "grading failed for some completions (1 timeouts"),
     "Ctrl-C while grading": (ctrl_c_while_grading, 128 + signal.SIGINT, "SIGINT: checkpointing at step"),
     "a hung reward graded in-process": (in_process_grading_timeouts, 0, "grading failed for some completions"),
@@ -262,6 +292,10 @@ CASES = {  # name: (case, exit code, message on stderr)
     "buffer of a directory that is no run": (lambda d: run_cli(["buffer", str(d.parent)]), 2,
                                              "neither a run directory with checkpoints nor a checkpoint (no "
                                              "buffer.safetensors in it)"),
+    "buffer of a missing path": (lambda d: run_cli(["buffer", str(d / "nope")]), 2,
+                                 "nope: no such run or checkpoint directory"),
+    "buffer of a checkpoint with a truncated buffer": (buffer_of_a_checkpoint_with_a_truncated_buffer, 2,
+                                                       "buffer.safetensors: not a readable safetensors file"),
     "benchmark test questions as held-out data": (benchmark_questions_held_out, 2,
                                                   "are benchmark test questions"),
     "benchmark test questions as training data": (benchmark_questions_trained_on, 2,

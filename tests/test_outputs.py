@@ -46,9 +46,28 @@ def test_a_lora_run_exports_merged_into_a_plain_model(tmp_path):
     checkpoint = _train(tmp_path / "run", "model.lora.r=4", "model.lora.alpha=8")
     adapter, _ = load_policy(str(checkpoint / "model"))
     out = tmp_path / "merged"
-    assert run_cli(["export", str(checkpoint), str(out), "--merge"]).returncode == 0
-    assert not (out / "adapter_config.json").exists()
+    unmerged = run_cli(["export", str(checkpoint), str(out)])
+    assert unmerged.returncode == 0 and (out / "adapter_config.json").is_file()
+    assert "a LoRA adapter on exgrpo's preset 'tiny" in unmerged.stderr  # plain peft cannot resolve the base
+    # --overwrite replaces the adapter export whole: no adapter left to be applied on top of the merged weights
+    assert run_cli(["export", str(checkpoint), str(out), "--merge", "--overwrite"]).returncode == 0
+    assert not (out / "adapter_config.json").exists() and not (out / "adapter_model.safetensors").exists()
     torch.testing.assert_close(_logits(AutoModelForCausalLM.from_pretrained(out)), _logits(adapter))
+
+
+@pytest.mark.parametrize("make_out, flags, message", [
+    (lambda out: out.write_text("x"), [], "is a file; OUT must be a directory"),
+    (lambda out: (out.mkdir(), (out / "notes.txt").write_text("x")), ["--overwrite"],
+     "holds files that are not a model export (notes.txt)"),
+    (lambda out: None, [], "no such run or checkpoint directory"),
+])
+def test_export_refuses_bad_targets_in_one_line(tmp_path, make_out, flags, message):
+    out = tmp_path / "out"
+    make_out(out)
+    source = tmp_path / "nowhere" if "no such" in message else _train(tmp_path / "run")
+    result = run_cli(["export", str(source), str(out), *flags])
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert not out.is_dir() or not list(out.glob("*.safetensors"))  # nothing written there
 
 
 def test_a_checkpoint_without_a_manifest_is_resumed_unverified_not_deleted(tmp_path):

@@ -50,3 +50,26 @@ def hangs_once(prompts, completions, completion_ids, **columns):
         open(marker, "w").close()
         time.sleep(60)
     return first_char_is_lowercase(prompts, completions, completion_ids)
+
+
+def raises(prompts, completions, completion_ids, **columns):
+    raise ZeroDivisionError("a bug in the reward function")
+
+
+def returns_a_string(prompts, completions, completion_ids, **columns):
+    return "1.0"
+
+
+def returns_a_scalar(prompts, completions, completion_ids, **columns):
+    return 1.0
+
+
+def returns_two_rewards(prompts, completions, completion_ids, **columns):
+    return [1.0, 0.0]
+
+
+def raises_on_uppercase(prompts, completions, completion_ids, **columns):
+    """`first_char_is_lowercase`, except that a completion starting with an upper-case letter is a KeyError."""
+    if completions[0][:1].isupper():
+        raise KeyError(completions[0][:1])
+    return first_char_is_lowercase(prompts, completions, completion_ids)

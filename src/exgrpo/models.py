@@ -74,6 +74,12 @@ class PolicyNotFoundError(ExgrpoError, FileNotFoundError, ValueError):
 # public API
 
 
+def is_preset(name: str) -> bool:
+    """Whether `name` is one of exgrpo's presets (which only exgrpo's `load_policy` resolves)."""
+    key = str(name).strip().lower()
+    return key == SMOLLM2_PRESET or key == TINY_PRESET or key.startswith(TINY_PRESET + ":")
+
+
 def load_policy(
     name_or_path: str,
     *,
@@ -133,8 +139,7 @@ def save_model(model: Any, directory: str | os.PathLike, state_dict: dict | None
     kwargs: dict[str, Any] = {} if state_dict is None else {"state_dict": state_dict}
     peft_config = getattr(model, "peft_config", None)
     if isinstance(peft_config, dict) and peft_config:
-        base = str(getattr(next(iter(peft_config.values())), "base_model_name_or_path", "") or "").lower()
-        if base == SMOLLM2_PRESET or base == TINY_PRESET or base.startswith(TINY_PRESET + ":"):
+        if is_preset(getattr(next(iter(peft_config.values())), "base_model_name_or_path", "") or ""):
             # peft's save_embedding_layers="auto" would look the preset name up on the hub to compare vocab
             # sizes; presets never resize their vocabulary, so decide here: save embeddings iff they are trained.
             kwargs["save_embedding_layers"] = any(

@@ -41,18 +41,25 @@ class GroupRewards:
     total: np.ndarray  # (G, K) weighted sum of the reward functions
     per_function: dict[str, np.ndarray]  # name -> (G, K) rewards, NaN where a function returned None
     grading: dict[str, int] = field(default_factory=dict)  # timeouts, crashes, errors of the grading pool
+    failures: dict = field(default_factory=dict)  # grader label -> its raised items (`rewards.pool.Failures`)
 
     def take(self, index: Sequence[int]) -> "GroupRewards":
         """The rewards of groups `index` (in that order); grading counts stay with the step."""
         index = np.asarray(index, dtype=np.int64)
-        return GroupRewards(self.total[index], {k: v[index] for k, v in self.per_function.items()}, self.grading)
+        return GroupRewards(self.total[index], {k: v[index] for k, v in self.per_function.items()}, self.grading,
+                            self.failures)
 
     @staticmethod
     def concat(parts: Sequence["GroupRewards"]) -> "GroupRewards":
         """The rewards of several rounds' (or ranks') groups, one after the other, parts without groups skipped;
-        grading counts summed over all parts, zeros kept (a count is logged whether or not it happened)."""
+        grading counts summed over all parts, zeros kept (a count is logged whether or not it happened), failures
+        merged per grader."""
         keys = dict.fromkeys(k for p in parts for k in p.grading)
+        failures: dict = {}
+        for p in parts:
+            for label, f in p.failures.items():
+                failures[label] = failures[label].merged(f) if label in failures else f
         graded = [p for p in parts if len(p.total)]
         return GroupRewards(np.concatenate([p.total for p in graded]),
                             {k: np.concatenate([p.per_function[k] for p in graded]) for k in graded[0].per_function},
-                            {k: sum(p.grading.get(k, 0) for p in parts) for k in keys})
+                            {k: sum(p.grading.get(k, 0) for p in parts) for k in keys}, failures)

@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from exgrpo.data import (
+    conflicting_answers,
     DataError,
     Question,
     collapse_replicas,
@@ -162,6 +163,17 @@ def test_bad_row_names_file_row_field(tmp_path, bad, message):
     text = str(err.value)
     assert "train.jsonl row 1 (line 3)" in text and message in text  # the blank line 2 is not a row
     assert "expected" in text
+
+
+def test_a_missing_numeric_answer_is_refused_and_integral_floats_read_as_integers(tmp_path):
+    # what pandas writes for an int column with a missing value: floats, NaN for the missing one
+    pq.write_table(pa.table({"prompt": ["a", "b", "c"], "answer": [1.0, 2.0, float("nan")]}), tmp_path / "nan.parquet")
+    with pytest.raises(DataError, match=r"nan\.parquet row 2: field 'answer' is nan \(a missing value\)"):
+        load_questions(str(tmp_path / "nan.parquet"))
+    pq.write_table(pa.table({"prompt": ["a", "b"], "answer": [1.0, 2.0]}), tmp_path / "floats.parquet")
+    assert [q.answer for q in load_questions(str(tmp_path / "floats.parquet"))] == ["1", "2"]
+    path = write_jsonl(tmp_path / "x.jsonl", [{"prompt": "a", "answer": 2.5}, {"prompt": "b", "answer": -7}])
+    assert [q.answer for q in load_questions(str(path))] == ["2.5", "-7"]
 
 
 def test_bad_parquet_row(tmp_path):
@@ -319,6 +331,16 @@ def test_split_holdout_keeps_replicas_together():
     assert [q.id for q in hold] != [q.id for q in split_holdout(qs, 3, seed=1)[1]]
     with pytest.raises(ValueError):
         split_holdout(qs, 11, seed=0)
+
+
+def test_a_prompt_with_two_answers_stays_on_one_side_of_the_split():
+    qs = [_q(i, f"p{i % 10}") for i in range(20)]
+    qs += [Question("t/x", qs[3].messages, "2", {}), Question("t/y", qs[7].messages, "5", {})]
+    assert [[q.id for q in rows] for rows in conflicting_answers(qs)] == [["t/3", "t/13", "t/x"],
+                                                                         ["t/7", "t/17", "t/y"]]
+    for seed in range(5):
+        train, hold = split_holdout(qs, 4, seed=seed)
+        assert not {q.text_key[0] for q in train} & {q.text_key[0] for q in hold}
 
 
 @needs_bench

@@ -228,6 +228,18 @@ def test_serial_pool_scores_exceptions_zero():
     assert serial.stats == {"graded": 3, "timeouts": 0, "crashes": 0, "errors": 1}
 
 
+@pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "workers"])
+def test_failures_are_kept_per_grader_with_the_first_traceback(workers):
+    with GradingPool(num_workers=workers, timeout=5.0) as p:
+        p.grade(misbehaving_grader, ["a", "raise", "raise"], ["a", "a", "a"], label="mine")
+        p.grade(grade_math, [r"\boxed{1}"], ["1"])
+        failures = p.pop_failures()
+        assert p.pop_failures() == {}
+    assert (failures["mine"].graded, failures["mine"].failed) == (3, 2)
+    assert failures["mine"].first.startswith("ZeroDivisionError") and "in misbehaving_grader" in failures["mine"].first
+    assert (failures["grade_math"].graded, failures["grade_math"].failed, failures["grade_math"].first) == (1, 0, None)
+
+
 def test_grade_rejects_mismatched_lengths(pool):
     with pytest.raises(ValueError, match="2 completions but 1 golds"):
         pool.grade(grade_math, ["1", "2"], ["1"])

@@ -26,12 +26,14 @@ OVERRIDES = [f"train.steps={STEPS}", "train.save_every=1", "train.save_total_lim
 TIMING = ("time/", "tokens_per_second", "experience/selection_time")
 
 
-def _train(run_dir, *extra, resume=False):
-    cmd = [sys.executable, "-m", "exgrpo", "train", "--config", str(ROOT / "configs" / "tiny.yaml"),
+def _train(run_dir, *extra, resume=False, kill_at=None):
+    """The tiny run as a process; `kill_at` SIGKILLs it at that point (see tests/faults.py)."""
+    cmd = [sys.executable, "-m", "faults" if kill_at else "exgrpo", "train", "--config", str(ROOT / "configs" / "tiny.yaml"),
            *OVERRIDES, f"logging.output_dir={run_dir}", *extra]
     if resume:
         cmd += ["--resume", "auto"]
-    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = {**ENV, "EXGRPO_KILL_AT": kill_at} if kill_at else ENV
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def _metrics(run_dir):
@@ -106,11 +108,10 @@ def test_resume_without_checkpoint_is_an_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_kills_at_random_moments_lose_nothing(tmp_path):
-    """SIGKILL at random moments after steps 1..7 (inside checkpoint writes and pruning too: every step saves and
-    prunes); resuming each time ends identical to an uninterrupted run, with no scratch directories left."""
-    import random
-
+def test_kills_inside_checkpoint_writes_and_prunes_lose_nothing(tmp_path):
+    """SIGKILL at exact points (tests/faults.py): before a written checkpoint is renamed into place, inside a prune,
+    right after a rename, and inside the last save's prune (the finished run's resume trains nothing and must still
+    sweep the scratch). Each resume ends identical to an uninterrupted run, with no scratch directories left."""
     from exgrpo.runtime.checkpoint import verify_checkpoint
 
     reference = tmp_path / "reference"
@@ -118,17 +119,15 @@ def test_kills_at_random_moments_lose_nothing(tmp_path):
     assert proc.wait(timeout=300) == 0, proc.stderr.read()[-3000:]
     expected = _comparable(_metrics(reference))
 
-    run, rng = tmp_path / "killed", random.Random(7)
-    proc = _train(run, "train.save_total_limit=2")
-    for kill_at in (1, 2, 4, 5, 7):
-        deadline = time.time() + 240
-        while len(_metrics(run)) < kill_at:
-            assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-2000:]
-            time.sleep(0.01)
-        time.sleep(rng.uniform(0.0, 0.4))  # somewhere in the checkpoint write, the pruning or the next step
-        proc.kill()
-        proc.wait()
-        proc = _train(run, "train.save_total_limit=2", resume=True)
+    run = tmp_path / "killed"
+    kills = ["replace:.tmp-step-000002", "rmtree:.deleting-step-000002", "after-replace:.tmp-step-000005",
+             "rmtree:.deleting-step-000006"]  # keep 2: saving step 4 prunes step 2, saving step 8 prunes step 6
+    for i, kill_at in enumerate(kills):
+        proc = _train(run, "train.save_total_limit=2", resume=i > 0, kill_at=kill_at)
+        assert proc.wait(timeout=300) == -signal.SIGKILL, (kill_at, proc.stderr.read()[-3000:])
+    scratch = [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert scratch and all(name.startswith(".deleting-step-000006") for name in scratch)
+    proc = _train(run, "train.save_total_limit=2", resume=True)
     assert proc.wait(timeout=300) == 0, proc.stderr.read()[-3000:]
     assert _comparable(_metrics(run)) == expected
     names = sorted(p.name for p in (run / "checkpoints").iterdir())

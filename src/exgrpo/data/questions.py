@@ -14,6 +14,7 @@ groups such rows back by content (`Question.text_key`).
 from __future__ import annotations
 
 import json
+import math
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -265,6 +266,10 @@ def _parse_answer(data: dict, where: str) -> str:
         )
     if value is None:
         raise _field_error(where, field, "is missing", f"a string answer; {schema}")
+    if isinstance(value, float) and not math.isfinite(value):  # pandas writes a missing int as NaN
+        raise _field_error(where, field, f"is {value} (a missing value)", f"a string answer; {schema}")
+    if isinstance(value, float) and value.is_integer():  # an int column with a missing value became floats
+        value = int(value)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)
     if not isinstance(value, str):

@@ -437,14 +437,17 @@ def write_state(state: dict, path: str | os.PathLike) -> None:
 
 
 def read_state(path: str | os.PathLike) -> dict:
-    """The `state_dict` written by `write_state`."""
-    from safetensors import safe_open
+    """The `state_dict` written by `write_state`; a file that is not one is a ValueError naming it."""
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(path), framework="np") as f:
-        meta_json = (f.metadata() or {}).get("exgrpo_buffer")
-        if meta_json is None:
-            raise ValueError(f"{path}: not an exgrpo experience buffer (no 'exgrpo_buffer' metadata)")
-        arrays = {name: f.get_tensor(name) for name in f.keys()}
+    try:
+        with safe_open(str(path), framework="np") as f:
+            meta_json = (f.metadata() or {}).get("exgrpo_buffer")
+            if meta_json is None:
+                raise ValueError(f"{path}: not an exgrpo experience buffer (no 'exgrpo_buffer' metadata)")
+            arrays = {name: f.get_tensor(name) for name in f.keys()}
+    except SafetensorError as e:  # truncated or not safetensors at all
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
     return {"meta": json.loads(meta_json), "arrays": arrays}
 
 

@@ -104,7 +104,7 @@ class IsolatedReward:
         items = [json.dumps({"prompt": prompt, "completion_ids": list(ids),
                              "columns": {k: v[i] for k, v in columns.items()}}, default=str)
                  for i, (prompt, ids) in enumerate(zip(prompts, completion_ids))]
-        return self.pool.grade(call_reward_function, list(completions), items, function=self.spec)
+        return self.pool.grade(call_reward_function, list(completions), items, label=self.spec, function=self.spec)
 
 
 def combine_rewards(funcs: Sequence[RewardFunc], weights: Sequence[float], prompts: list, completions: list,

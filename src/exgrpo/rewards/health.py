@@ -38,9 +38,11 @@ class RewardHealth:
             warnings.warn(RewardWarning(message), stacklevel=3)
 
     def check(self, step: int, per_function: dict[str, np.ndarray], total: np.ndarray,
-              grading: dict[str, int]) -> None:
+              grading: dict[str, int], failures: dict | None = None) -> None:
         """The rewards of training step `step` (1-based): each function's values (NaN where it returned None)
-        and the weighted total; `grading` counts the items that timed out, crashed or raised."""
+        and the weighted total; `grading` counts the items that timed out, crashed or raised; `failures` holds each
+        grader's raised items (`rewards.pool.Failures`): an error when all of a grader's items raised."""
+        self._check_failures(step, failures or {})
         for name, values in per_function.items():
             if np.isinf(values).any():
                 raise TrainingError(f"step {step}: reward function {name!r} returned a non-finite reward "
@@ -57,13 +59,25 @@ class RewardHealth:
         if per_function and all(np.isnan(v).all() for v in per_function.values()):
             raise TrainingError(f"step {step}: no reward function gave a reward for any completion "
                                 f"({', '.join(map(repr, per_function))} returned only None/NaN)")
-        failed = {k: v for k, v in grading.items() if k in ("timeouts", "crashes", "errors") and v}
+        failed = {k: v for k, v in grading.items() if k in ("timeouts", "crashes") and v}
         if failed:
             counts = ", ".join(f"{v} {k}" for k, v in failed.items())
             warnings.warn(RewardWarning(f"step {step}: grading failed for some completions ({counts}); they scored "
                                         "0 (raise reward.timeout if correct answers are being timed out)"),
                           stacklevel=2)
         self._probe(step, per_function, total)
+
+    def _check_failures(self, step: int, failures: dict) -> None:
+        """Stop when every item a grader (or reward function) graded raised or returned an unusable value; warn,
+        once per grader, showing the first failure, when some did."""
+        for label, f in failures.items():
+            if f.graded and f.failed == f.graded:
+                raise TrainingError(f"step {step}: {label!r} failed on every one of the {f.graded} completions it "
+                                    f"graded (it raised or returned an unusable value); the first failure:\n{f.first}")
+            if f.failed:
+                self._warn_once("failed", label, f"step {step}: {label!r} failed on {f.failed} of {f.graded} "
+                                                 "completions (scored 0, counted in grading/errors); the first "
+                                                 f"failure:\n{f.first}")
 
     def _probe(self, step: int, per_function: dict[str, np.ndarray], total: np.ndarray) -> None:
         if self._seen >= PROBE_STEPS:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -22,12 +23,13 @@ _START_TIMEOUT_S = 120.0  # a spawned worker imports sympy and math-verify befor
 Grader = Callable[..., float]
 
 
-def _call(grader: Grader, completion: str, gold: str, kwargs: dict[str, Any]) -> tuple[float, bool]:
-    """Grade one item: (score, whether it raised). An exception scores 0.0 and is counted as an error."""
+def _call(grader: Grader, completion: str, gold: str, kwargs: dict[str, Any]) -> tuple[float, str | None]:
+    """Grade one item: (score, None), or (0.0, the exception and the last frames of its traceback) if it raised."""
     try:
-        return float(grader(completion, gold, **kwargs)), False
-    except Exception:
-        return 0.0, True
+        return float(grader(completion, gold, **kwargs)), None
+    except Exception as e:
+        frames = "".join(traceback.format_list(traceback.extract_tb(e.__traceback__)[-3:]))
+        return 0.0, f"{''.join(traceback.format_exception_only(type(e), e)).strip()}\n{frames.rstrip()}"
 
 
 class _ItemTimeout(BaseException):
@@ -40,7 +42,7 @@ def _expire(signum, frame):
 
 
 def _call_within(grader: Grader, completion: str, gold: str, kwargs: dict[str, Any],
-                 timeout: float) -> tuple[float, bool] | None:
+                 timeout: float) -> tuple[float, str | None] | None:
     """`_call` stopped by SIGALRM after `timeout` seconds (None then); main thread only, `_expire` installed."""
     try:
         try:
@@ -60,7 +62,7 @@ def _exit_with(parent: int) -> None:
 
 
 def _serve(conn: Connection) -> None:
-    """Worker loop: reply to each (grader, completion, gold, kwargs) message with (score, raised)."""
+    """Worker loop: reply to each (grader, completion, gold, kwargs) message with `_call`'s (score, failure)."""
     threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     conn.send(None)  # ready: imports are done, so the parent's item deadlines measure grading only
     while True:
@@ -74,6 +76,24 @@ def _serve(conn: Connection) -> None:
             conn.send(f"a grading worker cannot load the grader: {e!r}")
             continue
         conn.send(_call(grader, completion, gold, kwargs))
+
+
+@dataclass
+class Failures:
+    """A grader's items and how many of them raised, with the first failure (exception and traceback's end)."""
+
+    graded: int = 0
+    failed: int = 0
+    first: str | None = None
+
+    def add(self, failures: list[str | None]) -> None:
+        raised = [f for f in failures if f is not None]
+        self.graded += len(failures)
+        self.failed += len(raised)
+        self.first = self.first or (raised[0] if raised else None)
+
+    def merged(self, other: "Failures") -> "Failures":
+        return Failures(self.graded + other.graded, self.failed + other.failed, self.first or other.first)
 
 
 @dataclass
@@ -122,7 +142,8 @@ class GradingPool:
     whose grader raises scores 0.0. `num_workers=0` grades serially in-process, each item stopped after `timeout`
     seconds by an interval timer (SIGALRM, so only on the main thread; `timeout=None` grades unbounded). `stats`
     counts items ("graded", which includes the failed ones), "timeouts", "crashes" and "errors" (raised) since
-    creation; `pop_stats()` gives the counts since its previous call. `grade` may be called from any thread, except
+    creation; `pop_stats()` gives the counts since its previous call, `pop_failures()` the raised items per grader
+    since its previous call, with the first one's traceback. `grade` may be called from any thread, except
     in-process with a timeout (main thread only).
     """
 
@@ -133,12 +154,15 @@ class GradingPool:
         self.timeout = timeout
         self.stats = {"graded": 0, "timeouts": 0, "crashes": 0, "errors": 0}
         self._popped = dict(self.stats)
+        self._failures: dict[str, Failures] = {}
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
         self._finalizer: weakref.finalize | None = None
 
-    def grade(self, grader: Grader, completions: list[str], golds: list[str], **grader_kwargs: Any) -> list[float]:
-        """Scores of `grader(completion, gold, **grader_kwargs)`; `grader` must be a top-level function."""
+    def grade(self, grader: Grader, completions: list[str], golds: list[str], label: str | None = None,
+              **grader_kwargs: Any) -> list[float]:
+        """Scores of `grader(completion, gold, **grader_kwargs)`; `grader` must be a top-level function. Its raised
+        items are counted under `label` (default: the grader's name)."""
         if len(completions) != len(golds):
             raise ValueError(f"{len(completions)} completions but {len(golds)} golds")
         with self._lock:
@@ -147,8 +171,16 @@ class GradingPool:
             else:
                 results = self._grade_in_workers(grader, completions, golds, grader_kwargs)
             self.stats["graded"] += len(results)
-            self.stats["errors"] += sum(raised for _, raised in results)
+            self.stats["errors"] += sum(failure is not None for _, failure in results)
+            tally = self._failures.setdefault(label or grader.__name__, Failures())
+            tally.add([failure for _, failure in results])
         return [score for score, _ in results]
+
+    def pop_failures(self) -> dict[str, Failures]:
+        """Per grader label, its items and raised items since the previous pop_failures call."""
+        with self._lock:
+            failures, self._failures = self._failures, {}
+        return failures
 
     def pop_stats(self) -> dict[str, int]:
         """The `stats` counts since the previous pop_stats call."""
@@ -170,7 +202,7 @@ class GradingPool:
         self.close()
 
     def _grade_here(self, grader: Grader, completions: list[str], golds: list[str],
-                    kwargs: dict[str, Any]) -> list[tuple[float, bool]]:
+                    kwargs: dict[str, Any]) -> list[tuple[float, str | None]]:
         if self.timeout is None:
             return [_call(grader, c, g, kwargs) for c, g in zip(completions, golds)]
         if threading.current_thread() is not threading.main_thread():
@@ -183,7 +215,7 @@ class GradingPool:
         finally:
             signal.signal(signal.SIGALRM, previous)
         self.stats["timeouts"] += results.count(None)
-        return [(0.0, False) if r is None else r for r in results]
+        return [(0.0, None) if r is None else r for r in results]
 
     def _start(self) -> None:
         self._workers[:] = [_spawn() for _ in range(self.num_workers)]
@@ -204,7 +236,7 @@ class GradingPool:
         return new
 
     def _grade_in_workers(self, grader: Grader, completions: list[str], golds: list[str],
-                          kwargs: dict[str, Any]) -> list[tuple[float, bool]]:
+                          kwargs: dict[str, Any]) -> list[tuple[float, str | None]]:
         if not self._workers:
             self._start()
         batch = _Batch(self, grader, completions, golds, kwargs)
@@ -227,7 +259,7 @@ class _Batch:
     def __init__(self, pool: GradingPool, grader: Grader, completions: list[str], golds: list[str],
                  kwargs: dict[str, Any]):
         self.pool, self.grader, self.completions, self.golds, self.kwargs = pool, grader, completions, golds, kwargs
-        self.scores = [(0.0, False)] * len(completions)
+        self.scores: list[tuple[float, str | None]] = [(0.0, None)] * len(completions)
         self.todo = deque(range(len(completions)))
         self.queues: dict[Connection, tuple[_Worker, deque[int]]] = {w.conn: (w, deque()) for w in pool._workers}
         self.deadlines: dict[Connection, float] = {}

@@ -46,7 +46,8 @@ class GroupScorer:
         """(G, K) rewards of `groups` at training step `step` (1-based, for health messages)."""
         start, end = self.dist.shard_bounds(len(groups))
         mine = score_groups(groups[start:end], self.tokenizer, self.reward_funcs, self.reward_weights)
-        mine.grading = self.grading_pool.pop_stats() if self.grading_pool is not None else {}
+        if self.grading_pool is not None:
+            mine.grading, mine.failures = self.grading_pool.pop_stats(), self.grading_pool.pop_failures()
         rewards = GroupRewards.concat(self.dist.gather([mine]))  # a rank may have had no groups
-        self.health.check(step, rewards.per_function, rewards.total, rewards.grading)
+        self.health.check(step, rewards.per_function, rewards.total, rewards.grading, rewards.failures)
         return rewards

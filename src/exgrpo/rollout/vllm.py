@@ -51,7 +51,6 @@ import os
 import random
 import shutil
 import sys
-import tempfile
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -59,6 +58,7 @@ import torch
 
 from exgrpo.errors import EngineError
 from exgrpo.rollout.base import Rollouts, SamplingSettings
+from exgrpo.runtime.scratch import owned_temp_dir
 
 SUPPORTED_VERSIONS = ">=0.32,<0.33"
 _BLOCK = 32
@@ -94,6 +94,17 @@ class _ProcessState:
         torch.set_rng_state(self.rng[2])
         torch.set_num_threads = self.set_num_threads
         torch.set_num_threads(self.threads)
+
+
+@contextlib.contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
 def policy_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
@@ -164,10 +175,10 @@ def check_pushable(model) -> None:
                                   "rescaled per column; use plain LoRA, or rollout.engine hf")
 
 
-def _start_llm(vllm, kwargs: dict, config):
-    """vllm.LLM(**kwargs) with the process state it changes restored; an architecture vLLM lacks is an
-    EngineError naming it."""
-    with _ProcessState():
+def _start_llm(vllm, kwargs: dict, config, rpc_dir: str):
+    """vllm.LLM(**kwargs) with the process state it changes restored and its IPC sockets in `rpc_dir` (vLLM leaves
+    them in the temp directory otherwise); an architecture vLLM lacks is an EngineError naming it."""
+    with _ProcessState(), _environment(VLLM_RPC_BASE_PATH=rpc_dir):
         try:
             return vllm.LLM(**kwargs)
         except ValueError as e:  # pydantic's ValidationError for an architecture vLLM lacks
@@ -206,7 +217,7 @@ class VLLMEngine:
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         launched = torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1
-        self._dir = tempfile.mkdtemp(prefix="exgrpo-vllm-")
+        self._dir, self._shm_dir = owned_temp_dir("exgrpo-vllm-"), None
         self._stale, self._wanted_version, self.weights_version = False, 0, 0
         self._slots: dict | None = None
         try:
@@ -217,14 +228,15 @@ class VLLMEngine:
                           max_num_seqs=max_num_seqs, logprobs_mode="processed_logprobs", generation_config="vllm",
                           max_logprobs=1, disable_log_stats=True, **self._placement_kwargs(launched),
                           **self._memory_kwargs(config, dtype, max_num_seqs, gpu_memory_utilization, kv_cache_gb))
-            self.llm = _start_llm(vllm, kwargs, config)
+            self.llm = _start_llm(vllm, kwargs, config, rpc_dir=self._dir)
+            os.unlink(os.path.join(self._dir, "model.safetensors"))  # loaded: a model-sized copy less on disk
             if launched:
                 self._check_placement()
             if engine_process:
                 self._start_transfer()
             self._check_runs()
         except BaseException:
-            shutil.rmtree(self._dir, ignore_errors=True)
+            self.close()
             raise
 
     def _placement_kwargs(self, launched: bool) -> dict:
@@ -357,7 +369,9 @@ class VLLMEngine:
     def _start_transfer(self) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
+        self._shm_dir = owned_temp_dir("exgrpo-weights-", "/dev/shm" if os.path.isdir("/dev/shm") else None)
         self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
+        self.llm.collective_rpc("exgrpo_exit_with", args=(os.getpid(),))
         _fail_waiting_calls_when_the_engine_dies(self.llm)
 
     def _push_over_transfer(self) -> None:
@@ -370,9 +384,7 @@ class VLLMEngine:
         for name, tensor in policy_weights(self.model):  # tied aliases too: vLLM loads lm_head by that name
             tensors[name] = tensor.detach().clone() if tensor.data_ptr() in seen else tensor.detach().contiguous()
             seen.add(tensor.data_ptr())
-        shared = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        handle, path = tempfile.mkstemp(prefix="exgrpo-weights-", suffix=".safetensors", dir=shared)
-        os.close(handle)
+        path = os.path.join(self._shm_dir, "weights.safetensors")  # safetensors writes a .tmp file beside it first
         try:
             save_file(tensors, path)
             del tensors
@@ -380,7 +392,8 @@ class VLLMEngine:
             self.llm.update_weights(WeightTransferUpdateRequest(update_info={"path": path}))
             self.llm.finish_weight_update()
         finally:
-            os.unlink(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         missing = self.llm.collective_rpc("exgrpo_missing_weights")[0]
         if missing:
             raise EngineError(f"the weight push did not load {len(missing)} engine parameters (e.g. "
@@ -433,11 +446,14 @@ class VLLMEngine:
             del self.llm
             gc.collect()
         shutil.rmtree(self._dir, ignore_errors=True)
+        if self._shm_dir:
+            shutil.rmtree(self._shm_dir, ignore_errors=True)
 
 
 def _fail_waiting_calls_when_the_engine_dies(llm) -> None:
     """vLLM 0.32's client notices a dead engine process (kill -9, out of memory) but leaves a caller already
-    waiting in `generate` or a utility call blocked for good: a watcher thread fails those calls instead."""
+    waiting in `generate` or a utility call blocked for good: a watcher thread says so on stderr at once and fails
+    those calls instead."""
     import threading
     import time
 
@@ -450,6 +466,9 @@ def _fail_waiting_calls_when_the_engine_dies(llm) -> None:
             if not core._finalizer.alive:  # shut down on purpose
                 return
             time.sleep(0.2)
+        # said at once, whatever the learner is doing; the run stops at its next call on the engine
+        os.write(2, b"exgrpo: error: the vLLM engine process died; the run stops at its next call on the engine "
+                    b"(the last checkpoint is intact; --resume continues from it)\n")
         core.outputs_queue.put_nowait(EngineDeadError())
         for future in list(core.utility_results.values()):
             if not future.done():

@@ -15,7 +15,12 @@ Importing this module imports vLLM: only `exgrpo.rollout.vllm` and vLLM's worker
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +89,36 @@ class WorkerExtension:
     def exgrpo_missing_weights(self) -> list[str]:
         """Engine parameters the last weight update did not load (empty: it loaded every one)."""
         return list(getattr(self.weight_transfer_engine, "missing", []))
+
+    def exgrpo_exit_with(self, learner: int) -> None:
+        """Die with the learner (process `learner`), however it dies, SIGKILL included: vLLM 0.32's engine core has
+        no watch on its parent, so a killed learner would leave it and this worker running. A thread here sees the
+        engine core (the learner's child) re-parented, kills it and leaves; the core's other workers follow it
+        through vLLM's own death pipe."""
+        engine_core = os.getpid() if os.getppid() == learner else os.getppid()
+        if _parent_of(engine_core) != learner:
+            raise RuntimeError(f"the engine core {engine_core} is not a child of the learner {learner} (or /proc, "
+                               "which the watch reads, is missing)")
+        threading.Thread(target=_exit_with, args=(learner, engine_core), name="exgrpo-learner-watch",
+                         daemon=True).start()
+
+
+def _parent_of(pid: int) -> int | None:
+    """Process `pid`'s parent from /proc (Linux), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rpartition(")")[2].split()[1])  # the name in parentheses may hold spaces
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _exit_with(learner: int, engine_core: int) -> None:
+    while _parent_of(engine_core) == learner:
+        time.sleep(0.5)
+    if engine_core != os.getpid():
+        with contextlib.suppress(ProcessLookupError):  # already gone: a shutdown, not a dead learner
+            os.kill(engine_core, signal.SIGKILL)
+    os._exit(1)
 
 
 def register() -> None:

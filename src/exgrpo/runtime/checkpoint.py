@@ -31,12 +31,12 @@ import torch
 from exgrpo.runtime.atomic import fsync_tree
 from exgrpo.errors import CheckpointError, ExgrpoWarning, RunDirectoryError, os_cause
 from exgrpo.experience.buffer import read_state, write_state
+from exgrpo.runtime.rundir import CHECKPOINT_SCRATCH, remove_checkpoint_scratch
 from exgrpo.runtime.sharding import is_sharded, load_full_model_state
 
 _PREFIX = "step-"
 _MANIFEST = "manifest.json"
 _CONTENTS = ("model", "optimizer.pt", "buffer.safetensors", "trainer.json")  # besides the manifest
-_SCRATCH = (".tmp-", ".deleting-")  # a checkpoint being written / being deleted
 
 
 def step_dirs(run_dir: str | Path) -> list[Path]:
@@ -110,10 +110,10 @@ def save_checkpoint(run_dir: str | Path, step: int, write_model: Callable[[Path]
     untouched by it."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"{_PREFIX}{step:06d}"
-    tmp = root / f"{_SCRATCH[0]}{final.name}-{os.getpid()}"
+    tmp = root / f"{CHECKPOINT_SCRATCH[0]}{final.name}-{os.getpid()}"
     try:
         root.mkdir(parents=True, exist_ok=True)
-        _remove_scratch(root)  # left by a process killed while writing or pruning (the caller holds the run lock)
+        remove_checkpoint_scratch(run_dir)  # a library caller may save without the CLI's lock sweep
         tmp.mkdir()
         write_model(tmp / "model")
         with open(tmp / "optimizer.pt", "wb") as f:  # a Python file: a full disk surfaces as its OSError
@@ -130,8 +130,7 @@ def save_checkpoint(run_dir: str | Path, step: int, write_model: Callable[[Path]
         if final.exists():  # a re-run of the same step (after a resume) replaces it
             _delete(final)
         os.replace(tmp, final)
-        for old in checkpoint_dirs(run_dir)[:-keep]:
-            _delete(old)
+        _prune(run_dir, keep)
     except Exception as e:  # OSError, or a writer's own wrapper of one (safetensors, torch.save)
         shutil.rmtree(tmp, ignore_errors=True)
         raise RunDirectoryError(f"cannot write checkpoint {final}: {os_cause(e)}") from None
@@ -140,15 +139,20 @@ def save_checkpoint(run_dir: str | Path, step: int, write_model: Callable[[Path]
 
 def _delete(checkpoint: Path) -> None:
     """Rename out of the checkpoint namespace first, so an interrupted delete leaves only scratch behind."""
-    doomed = checkpoint.with_name(f"{_SCRATCH[1]}{checkpoint.name}-{os.getpid()}")
+    doomed = checkpoint.with_name(f"{CHECKPOINT_SCRATCH[1]}{checkpoint.name}-{os.getpid()}")
     os.replace(checkpoint, doomed)
     shutil.rmtree(doomed)
 
 
-def _remove_scratch(root: Path) -> None:
-    for p in root.iterdir():
-        if p.is_dir() and p.name.startswith(_SCRATCH):
-            shutil.rmtree(p, ignore_errors=True)
+def _prune(run_dir: str | Path, keep: int) -> None:
+    """Delete every checkpoint directory older than the newest `keep` complete ones, those without a manifest
+    (unverified, from before manifests existed) included."""
+    complete = checkpoint_dirs(run_dir)
+    if len(complete) > keep:
+        oldest_kept = checkpoint_step(complete[-keep])
+        for old in step_dirs(run_dir):
+            if checkpoint_step(old) < oldest_kept:
+                _delete(old)
 
 
 def _sha256(path: Path) -> str:

@@ -84,6 +84,13 @@ def init_distributed() -> Distributed:
     return ctx
 
 
+def close_distributed() -> None:
+    """Leave the process group. Without it, gloo's threads outlive the interpreter's teardown and a rank can abort
+    at exit ("terminate called without an active exception") after a run that succeeded."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def shard(items: Sequence, ctx: Distributed) -> list:
     start, end = ctx.shard_bounds(len(items))
     return list(items[start:end])

@@ -3,6 +3,8 @@
 The lock is an `flock` on `<run dir>/.lock`, so it is released when its process exits however it exits (a
 SIGKILL included); the file records the holder (pid, host, start time) for the message a second run gets. Within
 one process the lock is re-entrant: the CLI takes it before loading anything, the trainer takes it again.
+Whoever takes the lock first removes the scratch a killed process left in `checkpoints/` (a checkpoint half written
+or half deleted): with the lock held, no other process can be writing it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from exgrpo.errors import RunDirectoryError, os_cause
 #: What a run writes into its directory (besides the lock).
 RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "checkpoints", "tensorboard")
 _LOCK = ".lock"
+#: Name prefixes of checkpoint scratch directories: one being written, one being deleted.
+CHECKPOINT_SCRATCH = (".tmp-", ".deleting-")
 _held: dict[Path, list] = {}  # resolved directory -> [file object, hold count]
 
 
@@ -61,6 +65,16 @@ def lock_run_directory(directory: str | os.PathLike) -> None:
                         "since": time.strftime("%Y-%m-%d %H:%M:%S")}))
     f.flush()
     _held[key] = [f, 1]
+    remove_checkpoint_scratch(key)
+
+
+def remove_checkpoint_scratch(directory: str | os.PathLike) -> None:
+    """Delete the checkpoint scratch directories in `<directory>/checkpoints` (call it holding the run's lock)."""
+    root = Path(directory) / "checkpoints"
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.is_dir() and p.name.startswith(CHECKPOINT_SCRATCH):
+                shutil.rmtree(p, ignore_errors=True)
 
 
 def unlock_run_directory(directory: str | os.PathLike) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator
@@ -11,9 +12,9 @@ import torch
 
 from exgrpo.runtime.checkpoint import latest_intact_checkpoint, read_trainer_json, step_dirs
 from exgrpo.config import ConfigError, ExGRPOConfig, config_changes
-from exgrpo.data import load_questions, split_holdout
-from exgrpo.runtime.distributed import launched_rank
-from exgrpo.errors import CheckpointError, Shutdown
+from exgrpo.data import conflicting_answers, load_questions, split_holdout
+from exgrpo.runtime.distributed import close_distributed, launched_rank
+from exgrpo.errors import CheckpointError, ExgrpoWarning, Shutdown
 from exgrpo.evaluation.contamination import screen_benchmark_questions
 from exgrpo.models import load_policy
 from exgrpo.rewards import ChoiceReward, GradingPool, IsolatedReward, MathReward, ReasoningGymReward
@@ -60,6 +61,7 @@ def build_run(config: ExGRPOConfig, log: Callable[[str], None] = print) -> Run:
     log(_loaded("data.train", c.data.train, questions))
     questions = screen_benchmark_questions(questions, c.data.benchmark_overlap, f"data.train {c.data.train}",
                                            c.data.prompt_suffix)
+    _warn_conflicting_answers(f"data.train {c.data.train}", questions)
     train, holdout = split_holdout(questions, c.data.holdout, c.train.seed) if c.data.holdout else (list(questions), [])
     if c.data.eval:
         holdout = load_questions(c.data.eval, skip_invalid=c.data.skip_invalid, prompt_suffix=c.data.prompt_suffix)
@@ -71,6 +73,16 @@ def build_run(config: ExGRPOConfig, log: Callable[[str], None] = print) -> Run:
     reward_funcs = build_reward_funcs(c, pool)
     trainer = ExGRPOTrainer(model, tokenizer, reward_funcs, c, train, eval_dataset=holdout, grading_pool=pool)
     return Run(c, trainer, pool)
+
+
+def _warn_conflicting_answers(source: str, questions) -> None:
+    conflicts = conflicting_answers(questions)
+    if conflicts:
+        rows = conflicts[0]
+        warnings.warn(ExgrpoWarning(
+            f"{source}: {len(conflicts)} prompts appear with different answers (e.g. {rows[0].id} and {rows[1].id}: "
+            f"{rows[0].answer!r} vs {rows[1].answer!r}); they are kept, and all rows of a prompt stay on one side of "
+            "the held-out split"), stacklevel=2)
 
 
 def _loaded(field: str, source: str, questions) -> str:
@@ -122,6 +134,7 @@ def prepared_run(config: ExGRPOConfig, resume: bool, log: Callable[[str], None] 
     The directory stays locked until the block ends, then the engine and grading pool are closed and the lock
     released. Under data parallelism rank 0 owns the directory."""
     with Shutdown() as cleanup:
+        cleanup.callback(close_distributed)  # last: the run's own closing may still talk to the other ranks
         if launched_rank() == 0:
             lock_run_directory(config.logging.output_dir)
             cleanup.callback(unlock_run_directory, config.logging.output_dir)
