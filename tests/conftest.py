@@ -5,11 +5,14 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import signal
 import subprocess
 import sys
+import time
 import traceback
 import warnings
 from collections import Counter
+from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -50,6 +53,53 @@ def run_cli(argv: list[str], env: dict | None = None) -> subprocess.CompletedPro
         os.environ.update(saved_env)
         torch.set_num_threads(threads)
     return subprocess.CompletedProcess(["exgrpo", *argv], code, stdout.getvalue(), stderr.getvalue())
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid` (its children, theirs, ...), from /proc."""
+    found, todo = set(), [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                kids = {int(k) for k in (task / "children").read_text().split()} - found
+                found |= kids
+                todo.extend(kids)
+    return found
+
+
+def alive(pid: int) -> bool:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"  # a zombie is dead
+    return False
+
+
+def _shared_memory_of(pids) -> set[str]:
+    """The /dev/shm files that processes `pids` have mapped (and that still exist)."""
+    found = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            found |= {line.split(None, 5)[5] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+                      if " /dev/shm/" in line and not line.endswith("(deleted)")}
+    return found
+
+
+def kill_the_learner_only(process: subprocess.Popen) -> tuple[set[int], set[str]]:
+    """SIGKILL the learner alone (not its process group, which must have been started as a session of its own);
+    every process it started must follow it within seconds. Returns those processes and the shared memory they
+    had mapped."""
+    processes = descendants(process.pid)
+    shared = _shared_memory_of(processes | {process.pid})
+    os.kill(process.pid, signal.SIGKILL)
+    process.communicate()
+    deadline = time.monotonic() + 20
+    try:
+        while any(alive(p) for p in processes) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in processes if alive(p)], "processes outlived their learner"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # whatever the assertion says, nothing is left running
+    return processes, shared
 
 
 class ScriptedEngine:

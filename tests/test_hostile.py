@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import kill_the_learner_only, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT.parent / "shared" / "data" / "benchmarks"
@@ -188,6 +188,17 @@ def sigterm_twice_in_a_hung_reward(d):
     return subprocess.CompletedProcess(proc.args, proc.returncode, "", "".join(seen) + stderr)
 
 
+def sigkill_of_a_learner_with_grading_workers(d):
+    proc = start(d, "reward.workers=2", "train.steps=400", "train.save_every=1")
+    wait_for_steps(d, 1, proc)
+    while not (Path(d) / "checkpoints" / "step-000001" / "manifest.json").exists():
+        assert proc.poll() is None
+        time.sleep(0.05)
+    workers, _ = kill_the_learner_only(proc)  # the grading workers follow it within seconds
+    assert len(workers) == 2
+    return train(d, "--resume", str(d), "train.steps=2", "reward.workers=2", isolated=True)
+
+
 def raising_on_some_completions(d):
     result = train(d, "reward.function=toy_rewards:raises_on_uppercase", "train.steps=3")
     assert result.stderr.count("the first failure") == 1  # shown once, not at every step
@@ -281,6 +292,7 @@ CASES = {  # name: (case, exit code, message on stderr)
     "reward returning a list of the wrong length": (
         lambda d: train(d, "reward.function=toy_rewards:returns_two_rewards"), 2, "returned [1.0, 0.0] for one"),
     "reward raising on some completions": (raising_on_some_completions, 0, "the first failure:\nKeyError"),
+    "SIGKILL of a learner with grading workers": (sigkill_of_a_learner_with_grading_workers, 0, "resumed from"),
     "grading timeouts": (grading_timeouts, 0, "grading failed for some completions (1 timeouts"),
     "Ctrl-C while grading": (ctrl_c_while_grading, 128 + signal.SIGINT, "SIGINT: checkpointing at step"),
     "a hung reward graded in-process": (in_process_grading_timeouts, 0, "grading failed for some completions"),

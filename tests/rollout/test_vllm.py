@@ -3,7 +3,6 @@
 Runs in .venv-vllm (`make test` runs it there); skipped where vLLM is not installed.
 """
 
-import contextlib
 import json
 import os
 import shutil
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import kill_the_learner_only, run_cli
 
 pytest.importorskip("vllm")
 
@@ -203,7 +202,7 @@ def test_exgrpo_with_the_vllm_engine_switches_replays_and_resumes_exactly(tmp_pa
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     _when_checkpoint(resumed, 3, process)
     assert not list(Path(tempfile.gettempdir()).glob(f"exgrpo-vllm-{process.pid}-*/*.safetensors"))
-    _, shared = _kill_the_learner_only(process)
+    _, shared = kill_the_learner_only(process)
     _train(resumed, "--resume", str(resumed))
     _same_run(_metrics(resumed), full)
     _assert_nothing_left_of(process.pid, shared)
@@ -270,52 +269,6 @@ def _when_checkpoint(run_dir, step: int, process: subprocess.Popen, timeout: flo
         time.sleep(0.5)
 
 
-def _descendants(pid: int) -> set[int]:
-    """Every process below `pid` (its children, theirs, ...)."""
-    found, todo = set(), [pid]
-    while todo:
-        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
-            with contextlib.suppress(OSError):
-                kids = {int(k) for k in (task / "children").read_text().split()} - found
-                found |= kids
-                todo.extend(kids)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"  # a zombie is dead
-    return False
-
-
-def _shared_memory_of(pids) -> set[str]:
-    """The /dev/shm files that processes `pids` have mapped (and that still exist)."""
-    found = set()
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            found |= {line.split(None, 5)[5] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
-                      if " /dev/shm/" in line and not line.endswith("(deleted)")}
-    return found
-
-
-def _kill_the_learner_only(process: subprocess.Popen) -> tuple[set[int], set[str]]:
-    """SIGKILL the learner alone (not its process group); every process it started must follow it within seconds.
-    Returns those processes and the shared memory they had mapped."""
-    processes = _descendants(process.pid)
-    shared = _shared_memory_of(processes | {process.pid})
-    os.kill(process.pid, signal.SIGKILL)
-    process.communicate()
-    deadline = time.monotonic() + 20
-    try:
-        while any(_alive(p) for p in processes) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [p for p in processes if _alive(p)], "processes outlived their learner"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)  # whatever the assertion says, nothing is left running
-    return processes, shared
-
-
 def _assert_nothing_left_of(pid: int, shared: set[str]) -> None:
     """No temporary file or directory named for learner `pid`, and none of the shared memory its processes used."""
     left = [p for d in (tempfile.gettempdir(), "/dev/shm") for p in Path(d).glob(f"exgrpo-*-{pid}-*")]
@@ -333,7 +286,7 @@ def test_an_async_run_is_one_step_off_policy_and_resumes_exactly_after_a_sigkill
     killed = tmp_path / "killed"
     process = _start(killed)
     _when_checkpoint(killed, 2, process)
-    engine, shared = _kill_the_learner_only(process)  # mid-run: the engine core and its worker must follow
+    engine, shared = kill_the_learner_only(process)  # mid-run: the engine core and its worker must follow
     assert len(engine) >= 2 and shared
     _train(killed, "rollout.mode=async", "--resume", str(killed))
     _same_run(_metrics(killed), whole)
