@@ -27,9 +27,10 @@ needs_bench = pytest.mark.skipif(not BENCH.is_dir(), reason=f"benchmark parquet 
 README_COUNTS = {"aime24": (960, 30), "aime25": (960, 30), "amc": (2656, 83), "math500": (500, 500),
                  "minerva": (272, 272), "olympiad": (675, 675), "arc_c": (1172, 1172), "gpqa": (198, 198)}
 
-# Golds that do not grade correct against themselves, documented in docs/evaluation.md. This Minerva gold has a
-# stray "$ $" inside, so wrapped in "$...$" it reads as two formulas and math-verify keeps only the second one.
-KNOWN_GAPS = {"minerva": {r"x_{0} \cos (\omega t)+$ $\dot{x}_{0} \sin (\omega t) / \omega"}}
+# Golds that do not grade correct against themselves, documented in docs/evaluation.md: none under the released
+# grader. (The Minerva gold with a stray "$ $", r"x_{0} \cos (\omega t)+$ $\dot{x}_{0} \sin (\omega t) / \omega",
+# failed under math-verify alone; the released grader's string comparison accepts it.)
+KNOWN_GAPS: dict[str, set[str]] = {}
 
 
 @pytest.fixture(scope="module")
@@ -190,10 +191,15 @@ def test_averages_and_table_blank_the_benchmarks_not_run():
 # --- protocol, grading and the evaluation loop -------------------------------------------------------------------
 
 
-def test_think_prefix_and_gate():
+def test_think_split_as_released_and_gate():
     p, gated = EvalProtocol(), EvalProtocol(think_gate=True)
-    assert grading_text("...assistant\n<think>\n", "a </think> \\boxed{1}", p) == "<think>\na </think> \\boxed{1}"
+    # a think prompt: "<think>\n" is prepended, and what follows the first "</think>" is graded, else the whole text
+    assert grading_text("...assistant\n<think>\n", "a \\boxed{2} </think> \\boxed{1}", p) == " \\boxed{1}"
+    assert grading_text("x<think>\n", "a </think> \\boxed{1} </think> 2", p) == " \\boxed{1} "
+    assert grading_text("x<think>\n", "\\boxed{1} with no closing tag", p) == "<think>\n\\boxed{1} with no closing tag"
+    # any other prompt: the completion as it is, "</think>" or not (the released script splits think prompts only)
     assert grading_text("...assistant\n", "a \\boxed{1}", p) == "a \\boxed{1}"
+    assert grading_text("...assistant\n", "a \\boxed{2} </think> \\boxed{1}", p) == "a \\boxed{2} </think> \\boxed{1}"
     assert grading_text("x<think>\n", "a </think> \\boxed{1} </think> 2", gated) == " \\boxed{1} "
     assert grading_text("x<think>\n", "\\boxed{1} with no closing tag", gated) == ""
 
