@@ -9,17 +9,21 @@ backbone) and with `MathReward` (the question as prompt), through the public API
     PYTHONPATH=/tmp/before/src .venv/bin/python bench/grading_agreement.py
 
 With --released PATH (ExGRPO's eval_scripts/oat_math_grader.py, not shipped here), the released labels are first
-computed again by running that file, and cases whose stored label differs are listed.
+computed again by running that file, and cases whose stored label differs are listed. With --released and
+--golds DIR (the benchmark parquet files), every distinct ID gold is also boxed in 8 forms (as written, with a
+trailing period, in \\text{}, as x = ..., without spaces, with \\dfrac, in \\left( \\right), another gold) and
+graded by both; the cases where they differ are listed.
 """
 
 import argparse
 import importlib.util
 import json
+import random
 from collections import Counter
 from pathlib import Path
 
 from exgrpo.evaluation import EvalProtocol, grader_for, grading_text
-from exgrpo.rewards import MathReward
+from exgrpo.rewards import MathReward, grade_math_boxed
 
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "rewards" / "grading_corpus.json"
 THINK_PROMPT = "<|im_start|>assistant\n<think>\n"
@@ -33,18 +37,44 @@ def released_label(grader_module, completion: str, gold: str) -> float:
     return grader_module.boxed_reward_fn(text, gold, fast=False)[1]
 
 
+def gold_forms(data: Path) -> list[tuple[str, str]]:
+    """(completion, gold) for each distinct ID benchmark gold in 8 boxed forms, the last another gold (seeded)."""
+    from exgrpo.evaluation.benchmarks import load_benchmarks, resolve_benchmarks
+
+    golds = sorted({q.answer for d in load_benchmarks(resolve_benchmarks("id"), data) for q in d.questions})
+    rng, cases = random.Random(1), []
+    for gold in golds:
+        core, other = gold.strip().strip("$"), rng.choice(golds)
+        for form in (core, core + ".", "\\text{" + core + "}", "x = " + core, core.replace(" ", ""),
+                     core.replace("\\frac", "\\dfrac"), "\\left(" + core + "\\right)", other):
+            cases.append(("\\boxed{" + form + "}", gold))
+    return list(dict.fromkeys(cases))
+
+
+def load_released(path: Path):
+    spec = importlib.util.spec_from_file_location("released_oat_grader", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--released", type=Path, help="ExGRPO's eval_scripts/oat_math_grader.py, to relabel with")
+    parser.add_argument("--golds", type=Path, metavar="DIR", help="with --released: every ID gold in 8 forms too")
     args = parser.parse_args()
+    if args.golds and not args.released:
+        parser.error("--golds needs --released")
     groups = json.loads(CORPUS.read_text())["groups"]
     if args.released:
-        spec = importlib.util.spec_from_file_location("released_oat_grader", args.released)
-        released = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(released)
+        released = load_released(args.released)
         changed = [(g["gold"], c["completion"]) for g in groups for c in g["cases"]
                    if released_label(released, c["completion"], g["gold"]) != c["released"]]
         print(json.dumps({"released_labels_changed": changed}))
+    if args.golds:
+        cases = gold_forms(args.golds)
+        differ = [(c, g) for c, g in cases if released.boxed_reward_fn(c, g, fast=False)[1] != grade_math_boxed(c, g)]
+        print(json.dumps({"gold_forms": len(cases), "released_and_exgrpo_differ": differ}))
     protocol, reward = EvalProtocol(), MathReward()
     grade = grader_for("math", protocol)
     total, evaluation, training = Counter(), Counter(), Counter()

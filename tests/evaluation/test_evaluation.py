@@ -204,9 +204,17 @@ def test_think_split_as_released_and_gate():
     assert grading_text("x<think>\n", "\\boxed{1} with no closing tag", gated) == ""
 
 
+def test_a_box_inside_the_reasoning_is_not_graded():
+    completion = "Let me see... so it is $\\boxed{104}$.\n</think>\n\nThe answer is $104$."
+    protocol = EvalProtocol()
+    assert grader_for("math", protocol)(grading_text("<|im_start|>assistant\n<think>\n", completion, protocol),
+                                        "104") == 0.0
+
+
 def test_extract_answer_is_what_is_graded():
     assert extract_answer("so \\boxed{3} then \\boxed{\\frac{1}{2}}", "math") == "\\frac{1}{2}"
     assert extract_answer("no box: 12", "math") == ""
+    assert extract_answer("\\boxed{3} then \\boxed 4", "math") == ""  # the released grader reads no answer here
     assert extract_answer("\\boxed{\\text{(b)}}", "choice") == "B"
     assert extract_answer("thinking\nANSWER: 3", "choice") == "3"
 
@@ -296,6 +304,7 @@ def test_eval_cli_end_to_end_with_two_models(tmp_path):
         assert {(x["benchmark"], x["sample"]) for x in lines} == {(b, s) for b in ("math500", "gpqa") for s in (0, 1)}
         summary = json.loads((out / model / "summary.json").read_text())
         assert summary["benchmarks"]["gpqa"]["samples"] == 2 and "pass@2" in summary["benchmarks"]["gpqa"]["metrics"]
+        assert summary["benchmarks"]["math500"]["grading"] == {"graded": 4, "timeouts": 0, "crashes": 0, "errors": 0}
     run = json.loads((out / "summary.json").read_text())
     assert [m["model"] for m in run["models"]] == ["tiny", "tiny:1"] and run["protocol"]["temperature"] == 0.6
     results = (out / "results.md").read_text()

@@ -105,7 +105,7 @@ def _warn_failed_gradings(console: Console, label: str, benchmark: str, grading:
     failed = {k: grading[k] for k in ("timeouts", "crashes", "errors") if grading.get(k)}
     if failed:
         console.print(f"[yellow]{label} {benchmark}: {failed} of {grading['graded']} gradings failed and count as "
-                      "incorrect (timeouts: see docs/evaluation.md, Grading)[/yellow]")
+                      "incorrect (docs/evaluation.md, \"Time, not labels\")[/yellow]")
 
 
 def build_eval_engine(name: str, model, tokenizer, data: Sequence[BenchmarkData], protocol: EvalProtocol,
