@@ -20,11 +20,11 @@ normalisation), in their order: substitutions run one after another, so the orde
 
 from __future__ import annotations
 
-import functools
 import re
 
 import sympy
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+from pylatexenc.latex2text import LatexNodes2Text
 from sympy.parsing import sympy_parser
 
 # --- the last box -------------------------------------------------------------------------------------------------
@@ -200,6 +200,7 @@ _LENGTH_TIME_UNITS = ("degree", "cm", "centimeter", "meter", "mile", "second", "
 _UNIT_SUFFIXES = [re.compile(unit + r"(es)?(s)? *(\^[0-9]+)?") for unit in _LENGTH_TIME_UNITS]
 _GROUPED_THOUSANDS = re.compile(r"(\d)(,)(\d\d\d)($|\D)")
 _TUPLE_CHARS = "()[]"
+_LATEX_TO_TEXT = LatexNodes2Text()
 
 
 def plain_normalize(expr: str) -> str:
@@ -254,18 +255,11 @@ def _strip_grouping_commas(expr: str) -> str:
         expr = stripped
 
 
-@functools.lru_cache(maxsize=1)
-def _latex_converter():
-    from pylatexenc.latex2text import LatexNodes2Text
-
-    return LatexNodes2Text()
-
-
 def _latex_to_plain(expr: str) -> str:
     """LaTeX as text by pylatexenc, with the symbols sympy needs spelled out; unchanged if pylatexenc fails."""
     spaced = expr.replace("\\tfrac", "\\frac").replace("\\dfrac", "\\frac").replace("\\frac", " \\frac")
     try:
-        text = _latex_converter().latex_to_text(spaced)
+        text = _LATEX_TO_TEXT.latex_to_text(spaced)
     except Exception:  # pylatexenc's own parse errors on malformed LaTeX: the released grader keeps the input
         return expr
     for symbol, name in (("√", "sqrt"), ("π", "pi"), ("∞", "inf"), ("∪", "U"), ("·", "*"), ("×", "*")):
