@@ -3,14 +3,16 @@
 math-verify evaluates an arithmetic expression it finds in a completion, so under a grader that accepts one,
 "To calculate 752 * -611 + 290 ..." scores as the answer -459182. This trains GRPO on a pilot setting
 (bench/pilot.py's CANDIDATES) for STEPS steps and, before and after, samples each held-out question once (T = 1)
-and counts the completions that restate the question's expression, the ones graded correct, and both. One JSON
-line per measurement. Run it against the grader of any commit by putting that commit's src first:
+and counts the completions that restate the question's expression, the ones graded correct by the training
+reward (`grade_math` given the prompt; before #35, `grade_math` refused restatements without it), and both. One
+JSON line per measurement. Run it against the grader of any commit by putting that commit's src first:
 
     git worktree add /tmp/before ebe365f~1                     # the grader before the fix
     PYTHONPATH=/tmp/before/src .venv-vllm/bin/python bench/copying.py terms_2-4_3digit 20
     .venv-vllm/bin/python bench/copying.py terms_2-4_3digit 20    # this checkout's grader
 """
 
+import inspect
 import json
 import os
 import re
@@ -25,6 +27,14 @@ from exgrpo.training.run import build_run  # noqa: E402
 from pilot import grpo_config  # noqa: E402
 
 
+# grade_math takes the question since #35 (its restatement rule needs it); a checkout from before does not.
+_TAKES_QUESTION = "question" in inspect.signature(grade_math).parameters
+
+
+def _graded(text: str, gold: str, prompt: str) -> float:
+    return grade_math(text, gold, question=prompt) if _TAKES_QUESTION else grade_math(text, gold)
+
+
 def _bare(text: str) -> str:
     return re.sub(r"[\s()]", "", text)
 
@@ -37,7 +47,8 @@ def measure(trainer, when: str) -> dict:
     # "Calculate <expression>. Answer with ..." -> <expression>
     expressions = [q.messages[0]["content"].removeprefix("Calculate ").split(". ")[0] for q in questions]
     copied = [_bare(e) in _bare(t) for e, t in zip(expressions, texts)]
-    correct = [grade_math(t, q.answer) for t, q in zip(texts, questions)]
+    prompts = [trainer.tokenizer.decode(trainer.prompt_ids(q)) for q in questions]  # what MathReward reads
+    correct = [_graded(t, q.answer, p) for t, q, p in zip(texts, questions, prompts)]
     n = len(questions)
     return {"grader": str(exgrpo.__file__), "at": when, "copied_share": sum(copied) / n,
             "graded_correct": sum(correct) / n, "correct_and_copied": sum(c and g for c, g in zip(copied, correct)) / n,

@@ -265,12 +265,14 @@ def _add_eval_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--think", action="store_true",
-                   help="end prompts with '<think>\\n' (for think-tuned models; it is prepended before grading)")
+                   help="end prompts with '<think>\\n' (think-tuned models); as released, a prompt that ends so has "
+                        "only the text after the first '</think>' graded, or all of it without one")
     p.add_argument("--think-gate", action="store_true",
-                   help="grade only after the first '</think>', 0 without one (training reward; not the paper's eval)")
+                   help="0 without a '</think>' (the training reward's gate; not the paper's eval)")
     p.add_argument("--keep-system", action="store_true", help="keep the data's system message (the paper drops it)")
     p.add_argument("--grade-all-text", action="store_true",
-                   help="math: math-verify on the whole completion (training reward) instead of the last \\boxed{}")
+                   help="math: math-verify on all the graded text (the released training reward) instead of the "
+                        "released evaluation grader on the last \\boxed{}")
     p.add_argument("--output", default="runs/eval", help="output directory (default: runs/eval)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=64, help="sequences generated together")

@@ -27,9 +27,10 @@ needs_bench = pytest.mark.skipif(not BENCH.is_dir(), reason=f"benchmark parquet 
 README_COUNTS = {"aime24": (960, 30), "aime25": (960, 30), "amc": (2656, 83), "math500": (500, 500),
                  "minerva": (272, 272), "olympiad": (675, 675), "arc_c": (1172, 1172), "gpqa": (198, 198)}
 
-# Golds that do not grade correct against themselves, documented in docs/evaluation.md. This Minerva gold has a
-# stray "$ $" inside, so wrapped in "$...$" it reads as two formulas and math-verify keeps only the second one.
-KNOWN_GAPS = {"minerva": {r"x_{0} \cos (\omega t)+$ $\dot{x}_{0} \sin (\omega t) / \omega"}}
+# Golds that do not grade correct against themselves, documented in docs/evaluation.md: none under the released
+# grader. (The Minerva gold with a stray "$ $", r"x_{0} \cos (\omega t)+$ $\dot{x}_{0} \sin (\omega t) / \omega",
+# failed under math-verify alone; the released grader's string comparison accepts it.)
+KNOWN_GAPS: dict[str, set[str]] = {}
 
 
 @pytest.fixture(scope="module")
@@ -190,17 +191,30 @@ def test_averages_and_table_blank_the_benchmarks_not_run():
 # --- protocol, grading and the evaluation loop -------------------------------------------------------------------
 
 
-def test_think_prefix_and_gate():
+def test_think_split_as_released_and_gate():
     p, gated = EvalProtocol(), EvalProtocol(think_gate=True)
-    assert grading_text("...assistant\n<think>\n", "a </think> \\boxed{1}", p) == "<think>\na </think> \\boxed{1}"
+    # a think prompt: "<think>\n" is prepended, and what follows the first "</think>" is graded, else the whole text
+    assert grading_text("...assistant\n<think>\n", "a \\boxed{2} </think> \\boxed{1}", p) == " \\boxed{1}"
+    assert grading_text("x<think>\n", "a </think> \\boxed{1} </think> 2", p) == " \\boxed{1} "
+    assert grading_text("x<think>\n", "\\boxed{1} with no closing tag", p) == "<think>\n\\boxed{1} with no closing tag"
+    # any other prompt: the completion as it is, "</think>" or not (the released script splits think prompts only)
     assert grading_text("...assistant\n", "a \\boxed{1}", p) == "a \\boxed{1}"
+    assert grading_text("...assistant\n", "a \\boxed{2} </think> \\boxed{1}", p) == "a \\boxed{2} </think> \\boxed{1}"
     assert grading_text("x<think>\n", "a </think> \\boxed{1} </think> 2", gated) == " \\boxed{1} "
     assert grading_text("x<think>\n", "\\boxed{1} with no closing tag", gated) == ""
+
+
+def test_a_box_inside_the_reasoning_is_not_graded():
+    completion = "Let me see... so it is $\\boxed{104}$.\n</think>\n\nThe answer is $104$."
+    protocol = EvalProtocol()
+    assert grader_for("math", protocol)(grading_text("<|im_start|>assistant\n<think>\n", completion, protocol),
+                                        "104") == 0.0
 
 
 def test_extract_answer_is_what_is_graded():
     assert extract_answer("so \\boxed{3} then \\boxed{\\frac{1}{2}}", "math") == "\\frac{1}{2}"
     assert extract_answer("no box: 12", "math") == ""
+    assert extract_answer("\\boxed{3} then \\boxed 4", "math") == ""  # the released grader reads no answer here
     assert extract_answer("\\boxed{\\text{(b)}}", "choice") == "B"
     assert extract_answer("thinking\nANSWER: 3", "choice") == "3"
 
@@ -290,6 +304,7 @@ def test_eval_cli_end_to_end_with_two_models(tmp_path):
         assert {(x["benchmark"], x["sample"]) for x in lines} == {(b, s) for b in ("math500", "gpqa") for s in (0, 1)}
         summary = json.loads((out / model / "summary.json").read_text())
         assert summary["benchmarks"]["gpqa"]["samples"] == 2 and "pass@2" in summary["benchmarks"]["gpqa"]["metrics"]
+        assert summary["benchmarks"]["math500"]["grading"] == {"graded": 4, "timeouts": 0, "crashes": 0, "errors": 0}
     run = json.loads((out / "summary.json").read_text())
     assert [m["model"] for m in run["models"]] == ["tiny", "tiny:1"] and run["protocol"]["temperature"] == 0.6
     results = (out / "results.md").read_text()

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from exgrpo.rewards import (ChoiceReward, GradingPool, MathReward, choice_letter, combine_rewards, grade_choice,
-                            grade_math, grade_math_boxed)
+                            grade_math, grade_math_boxed, oat_boxed_answer)
+from exgrpo.rewards.oat import is_repetitive
 
 MATH_CASES = [
     # fractions and decimals
@@ -79,13 +80,11 @@ MATH_CASES = [
     (r"\boxed{1,000}", "1000", 1.0),
     ("answer:12", "12", 0.0),  # GAP: a number glued to a preceding ':' is not extracted at all
     ("(12)", "12", 0.0),  # GAP: nor a number in parentheses
-    # arithmetic for a numeric gold: math-verify evaluates it, so copying the question would be paid (not here)
-    ("752 * -611 + 290", "-459182", 0.0),
-    ("Calculate 752 * -611 + 290. The answer is 752 * -611 + 290.", "-459182", 0.0),
-    (r"\boxed{3 \cdot 4}", "12", 0.0),
-    (r"\boxed{2^{10}}", "1024", 0.0),
-    ("-459182", "-459182", 1.0),
-    ("3/4", r"\frac{3}{4}", 1.0),  # a plain fraction is a number written as one
+    # arithmetic: math-verify evaluates it (RESTATEMENT_CASES: what the training reward makes of it)
+    ("752 * -611 + 290", "-459182", 1.0),
+    (r"\boxed{3 \cdot 4}", "12", 1.0),
+    (r"\boxed{2^{10}}", "1024", 1.0),
+    ("3/4", r"\frac{3}{4}", 1.0),
     ("-3 / 4", "-0.75", 1.0),
     ("12.5%", "0.125", 1.0),
     (r"\boxed{x = 5}", "5", 1.0),
@@ -97,6 +96,49 @@ MATH_CASES = [
     ("", "12", 0.0),
     (r"\boxed{}", "12", 0.0),
 ]
+
+# (completion, gold, question, label): with the question, an answer restating its arithmetic scores 0 where the
+# gold is a number; the same form written with numbers the question does not hold is an answer
+RESTATEMENT_CASES = [
+    ("752 * -611 + 290", "-459182", "Calculate 752 * -611 + 290.", 0.0),
+    ("To calculate 752 * -611 + 290 using only the final number, we can", "-459182", "Calculate 752 * -611 + 290.",
+     0.0),
+    ("The answer is $x = 752 * -611 + 290$.", "-459182", "Calculate 752 * -611 + 290.", 0.0),  # an equation
+    (r"\boxed{752 \times (-611) + 290}", "-459182", "Calculate 752 * -611 + 290.", 0.0),
+    (r"\boxed{y = 3 \cdot 4}", "12", "Calculate 3 * 4.", 0.0),
+    (r"\boxed{3 \cdot 4 + 0x}", "12", "Calculate 3 * 4.", 0.0),  # a free symbol, padding with 0
+    (r"\boxed{3 \cdot 4 \cdot 1}", "12", "Calculate 3 * 4.", 0.0),
+    (r"\boxed{2^{10}}", "1024", "Compute $2^{10}$.", 0.0),
+    ("752 * -611 + 290 = -459182", "-459182", "Calculate 752 * -611 + 290.", 1.0),  # restated, then computed
+    ("The answer is $x = -459182$.", "-459182", "Calculate 752 * -611 + 290.", 1.0),
+    ("-459182", "-459182", "Calculate 752 * -611 + 290.", 1.0),
+    (r"\boxed{2^{10}}", "1024", "How many subsets does a set of ten elements have?", 1.0),
+    (r"\boxed{2^{10}}", "1024", "How many subsets does a set of 10 elements have?", 1.0),  # 2 is not the question's
+    (r"\boxed{10^3}", "1000", "How many grams are in a kilogram?", 1.0),
+    (r"\boxed{3 \times 10^2}", "300", "How many seconds are in five minutes?", 1.0),
+    (r"\boxed{1.5 \times 10^{-3}}", "0.0015", "Write one and a half thousandths as a decimal.", 1.0),
+    (r"\boxed{\sqrt{4}}", "2", "What is the smallest prime?", 1.0),
+    (r"\boxed{\sqrt[3]{8}}", "2", "What is the smallest prime?", 1.0),
+    (r"\boxed{4!}", "24", "In how many orders can four books stand on a shelf?", 1.0),
+    (r"\boxed{|-3|}", "3", "How many sides does a triangle have?", 1.0),
+    (r"\boxed{\log_2 8}", "3", "How many sides does a triangle have?", 1.0),
+    (r"\boxed{6 \cdot 2}", "12", "How many months are in a year?", 1.0),
+    ("3/4", "0.75", "What is 3 divided by 4?", 1.0),  # a plain fraction is a number written as one
+    ("12.5%", "0.125", "What is 12.5% as a decimal?", 1.0),  # and so is a percentage
+    (r"\boxed{3 \cdot x}", r"3x", "Simplify x + x + x. Use 3 terms.", 1.0),  # not a numeric gold: no rule
+    (r"\boxed{3 \cdot 5}", "12", "Calculate 3 * 4.", 0.0),  # wrong, restated or not
+]
+
+
+@pytest.mark.parametrize(("completion", "gold", "question", "expected"), RESTATEMENT_CASES)
+def test_grade_math_refuses_restatements_given_the_question(completion, gold, question, expected):
+    assert grade_math(completion, gold, question=question) == expected
+
+
+def test_grade_math_needs_the_question_as_text():
+    with pytest.raises(TypeError, match="question must be the prompt's text"):
+        grade_math("12", "12", question=[{"role": "user", "content": "3 * 4"}])
+
 
 # (completion, gold, label with think_gate=True, label without)
 THINK_CASES = [
@@ -187,6 +229,80 @@ def test_grade_math_boxed(completion, gold, expected):
     assert grade_math_boxed(completion, gold) == expected
 
 
+# The released evaluation grader's labels (oat_math_grader.boxed_reward_fn(completion, gold, fast=False), run on
+# each case): grade_math_boxed must give the same. Issue #35's examples first.
+RELEASED_CASES = [
+    (r"\boxed{26000.}", "26000", 1.0),  # a trailing period inside the box (math-verify alone: 0)
+    (r"\boxed{\frac{\sqrt{3}}{3}.}", r"\frac{\sqrt{3}}{3}", 1.0),
+    (r"\boxed{\text{27}}", "27.0", 1.0),
+    (r"\boxed{\frac{13}{4}.}", r"\frac{13}{4}", 0.0),  # (math-verify alone: 1)
+    (r"\boxed{2^{10}}", "1024", 1.0),  # arithmetic for a numeric gold counts in evaluation (ebe365f refused it)
+    (r"\boxed{10^3}", "1000", 1.0),
+    (r"\boxed{3 \times 10^2}", "300", 1.0),
+    (r"\boxed{1.5 \times 10^{-3}}", "0.0015", 1.0),
+    (r"\boxed{\sqrt{4}}", "2", 1.0),
+    (r"\boxed{\sqrt[3]{8}}", "2", 1.0),
+    (r"\boxed{4!}", "24", 1.0),
+    (r"\boxed{|-3|}", "3", 1.0),
+    (r"\boxed{\log_2 8}", "3", 1.0),
+    (r"\boxed{6 \cdot 2}", "12", 1.0),
+    (r"\boxed{3 \times 10^{-3}}", "0.003", 1.0),
+    (r"\boxed{4 \times 10^{5}}", "400000", 1.0),
+    (r"The answer is $\boxed{x = 752 * -611 + 290}$.", "-459182", 1.0),
+    (r"\boxed{y = 3 \cdot 4}", "12", 1.0),
+    (r"\boxed{3 \cdot 4 + 0x}", "12", 1.0),
+    # normalisations and their limits
+    (r"\boxed{1,000}", "1000", 1.0),
+    (r"\boxed{\dfrac{1}{2}}", "0.5", 1.0),
+    (r"\boxed{50\%}", "50", 1.0),
+    (r"\boxed{5 \text{ cm}}", "5", 1.0),
+    (r"\boxed{45^\circ}", "45", 1.0),
+    (r"\boxed{(3, \frac{\pi}{2})}", r"\left( 3, \frac{\pi}{2} \right)", 1.0),
+    (r"\boxed{2, 1}", "1,2", 1.0),
+    (r"\boxed{\frac{6}{8}}", r"\frac{3}{4}", 1.0),
+    (r"\boxed{0.333333}", r"\frac{1}{3}", 1.0),
+    (r"\boxed{1.2e1}", "12", 1.0),  # (math-verify alone: 0)
+    (r"\boxed{evelyn}", r"\text{Evelyn}", 1.0),
+    (r"\boxed{25}", "025", 1.0),
+    (r"\boxed{21}", "21.0", 1.0),
+    (r"\boxed{x=5}", "5", 1.0),
+    (r"\boxed{12}", r"\boxed{12}", 1.0),  # a boxed gold is unboxed
+    (r"\boxed{\sqrt{-1}}", "i", 0.0),
+    (r"\boxed{3.14}", r"\pi", 0.0),
+    # the last "\boxed" is the answer, and only as "\boxed{...}"
+    (r"\fbox{12}", "12", 0.0),
+    (r"\boxed{12} and \boxed 13", "12", 0.0),
+    (r"x_{0} \boxed{x_{0} \cos (\omega t)+$ $\dot{x}_{0} \sin (\omega t) / \omega}",
+     r"x_{0} \cos (\omega t)+$ $\dot{x}_{0} \sin (\omega t) / \omega", 1.0),  # the Minerva gold with "$ $"
+]
+
+
+@pytest.mark.parametrize(("completion", "gold", "expected"), RELEASED_CASES)
+def test_grade_math_boxed_grades_as_the_released_grader(completion, gold, expected):
+    assert grade_math_boxed(completion, gold) == expected
+
+
+def test_oat_boxed_answer_finds_what_the_released_grader_finds():
+    assert oat_boxed_answer(r"a \boxed{1} b \boxed{\frac{1}{2}} c") == r"\frac{1}{2}"
+    assert oat_boxed_answer(r"\boxed{1} then \fbox{2}") == "1"  # an \fbox is looked for only without any \boxed
+    assert oat_boxed_answer(r"\fbox{2}") is None  # and then not read
+    assert oat_boxed_answer(r"\boxed{1} then \boxed 2") is None
+    assert oat_boxed_answer(r"\boxed{12") is None and oat_boxed_answer("no box") is None
+    assert oat_boxed_answer(r"\boxed{1} then \boxed{} ") == ""
+
+
+def test_the_sympy_check_refuses_exponents_written_with_stars():
+    # The released grader evaluates 9**9**9 in sympy (a number of 370 million digits) and hangs; "^" it refuses.
+    start = time.monotonic()
+    assert grade_math_boxed(r"\boxed{9**9**9}", r"\sqrt{2}") == 0.0
+    assert time.monotonic() - start < 5
+    assert grade_math_boxed(r"\boxed{2**(1/2)}", r"\sqrt{2}") == 1.0  # other exponents go to sympy, as released
+
+
+def test_is_repetitive():
+    assert is_repetitive("ab" * 80) and not is_repetitive("The quick brown fox jumps over the lazy dog, 0123456789.")
+
+
 def test_choice_letter_is_what_grade_choice_grades():
     assert [choice_letter(c) for c in (r"\boxed{\textbf{(b)}}", "x\nANSWER: 3", "The answer is C")] == ["B", "3", ""]
 
@@ -203,6 +319,10 @@ def test_hanging_math_input_times_out(pool):
     # 5 s one (against a numeric gold the expression is refused before any comparison).
     pool.pop_stats()
     assert pool.grade(grade_math, [r"\boxed{9^{9^{9}}}", r"\boxed{12}"], [r"\sqrt{2}", "12"]) == [0.0, 1.0]
+    assert pool.pop_stats() == {"graded": 2, "timeouts": 1, "crashes": 0, "errors": 0}
+    # the evaluation grader as well: its math-verify check runs without a timeout of its own (as the released one
+    # effectively does: a signal cannot stop sympy's big-integer power), so the pool's timeout bounds it
+    assert pool.grade(grade_math_boxed, [r"\boxed{9^{9^{9}}}", r"\boxed{12}"], ["12", "12"]) == [0.0, 1.0]
     assert pool.pop_stats() == {"graded": 2, "timeouts": 1, "crashes": 0, "errors": 0}
 
 
@@ -282,6 +402,16 @@ def test_reward_functions_read_the_answer_column(pool):
     out = math_reward(prompts=["p"] * 3, completions=completions, completion_ids=[[1]] * 3, answer=["12"] * 3,
                       level=[1, 2, 3])
     assert out == [1.0, 0.0, 0.0]
+    # the question's numbers come from the prompt: a copy of its arithmetic scores 0
+    out = MathReward(pool=pool)(prompts=["Calculate 3 * 4.", "Calculate 3 * 4.", "How many months in a year?"],
+                                completions=[r"\boxed{3 \cdot 4}", r"\boxed{12}", r"\boxed{3 \cdot 4}"],
+                                completion_ids=None, answer=["12"] * 3)
+    assert out == [0.0, 1.0, 1.0]
+    with pytest.raises(TypeError, match="reads each question's numbers from its prompt, which must be text"):
+        MathReward()(prompts=[[{"role": "user", "content": "3 * 4"}]], completions=["12"], completion_ids=None,
+                     answer=["12"])
+    with pytest.raises(ValueError, match="1 prompts but 2 completions"):
+        MathReward()(prompts=["p"], completions=["12", "12"], completion_ids=None, answer=["12"] * 2)
     assert (MathReward.name, ChoiceReward.name) == ("math", "choice")
     out = ChoiceReward()(prompts=["p"] * 2, completions=[r"\boxed{B}", "ANSWER: c"], completion_ids=None,
                          answer=["B", "D"])

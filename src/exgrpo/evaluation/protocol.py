@@ -10,8 +10,8 @@ import numpy as np
 from exgrpo.data import Question, render_prompt
 from exgrpo.evaluation.estimators import benchmark_metrics
 from exgrpo.evaluation.sampling import sample_completions
-from exgrpo.rewards import (GradingPool, after_think, choice_letter, grade_choice, grade_math, grade_math_boxed,
-                            last_boxed)
+from exgrpo.rewards import GradingPool, after_think, choice_letter, grade_choice, grade_math, grade_math_boxed
+from exgrpo.rewards.oat import oat_boxed_answer
 from exgrpo.rollout import RolloutEngine, SamplingSettings
 
 THINK = "<think>\n"
@@ -29,21 +29,27 @@ class EvalProtocol:
     remove_system: bool = True  # the eval script drops the parquet's system message
     system_prompt: str | None = None  # replaces the system messages (e.g. to match a training config)
     think_prefix: str = ""  # appended to prompts whose chat template does not already end with it
-    think_gate: bool = False  # the training reward's gate; the paper's eval does not enforce it
-    last_box_only: bool = True  # the OAT grader: only the last \boxed{} counts; otherwise math-verify on all text
+    think_gate: bool = False  # the training reward's gate (0 without "</think>"); the paper's eval does not enforce it
+    last_box_only: bool = True  # the released grader on the last \boxed{}; otherwise math-verify on all the text
 
     def sampling(self) -> SamplingSettings:
         return SamplingSettings(self.max_new_tokens, self.temperature, self.top_p)
 
 
 def grading_text(prompt: str, completion: str, protocol: EvalProtocol) -> str:
-    """The text a grader sees: a prompt ending with "<think>\\n" has it prepended to the completion, as the eval
-    script does; with `think_gate`, only what follows the first "</think>" ("" if there is none)."""
-    text = THINK + completion if prompt.endswith(THINK) else completion
+    """The text a grader sees, as the released eval script makes it (spec §8).
+
+    A prompt ending with "<think>\\n" has it prepended to the completion, and only what follows the first
+    "</think>" is graded (up to a second one); without a "</think>" the whole text is. A prompt that does not end
+    with "<think>\\n" gives the completion as it is. With `think_gate` (the training reward's gate, not the
+    paper's), a text without "</think>" gives "" whatever the prompt.
+    """
+    think_prompt = prompt.endswith(THINK)
+    text = THINK + completion if think_prompt else completion
+    solution = after_think(text)
     if protocol.think_gate:
-        solution = after_think(text)
         return "" if solution is None else solution
-    return text
+    return solution if think_prompt and solution is not None else text
 
 
 def grader_for(kind: str, protocol: EvalProtocol) -> Callable[[str, str], float]:
@@ -55,13 +61,14 @@ def grader_for(kind: str, protocol: EvalProtocol) -> Callable[[str, str], float]
 
 
 def extract_answer(text: str, kind: str) -> str:
-    """What the grader grades in `text`: the chosen option for "choice", the last \\boxed{} content for "math".
+    """What the grader grades in `text`: the chosen option for "choice", the last \\boxed{} content for "math" (as
+    the released grader finds it: `oat_boxed_answer`).
 
     "" when there is none. (Without `last_box_only`, math-verify may also find an unboxed answer.)
     """
     if kind == "choice":
         return choice_letter(text)
-    return last_boxed(text) or ""
+    return oat_boxed_answer(text) or ""
 
 
 # --- sampling and grading a question set -------------------------------------------------------------------------

@@ -88,7 +88,9 @@ def _evaluate_model(label: str, out_dir: Path, data: Sequence[BenchmarkData], pr
                                         protocol=protocol, pool=pool, batch_size=batch_size, on_batch=on_batch,
                                         seed=derive_seed(seed, list(BENCHMARKS).index(b.name)))
             results[b.name] = {"questions": len(bench.items), "rows": bench.rows, "samples": k,
-                               "metrics": result.metrics(), "wall_s": round(time.perf_counter() - start, 1)}
+                               "metrics": result.metrics(), "grading": pool.pop_stats(),
+                               "wall_s": round(time.perf_counter() - start, 1)}
+            _warn_failed_gradings(console, label, b.name, results[b.name]["grading"])
     summary = {"model": label, "benchmarks": results, **group_averages(results)}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     engine.close()
@@ -96,6 +98,14 @@ def _evaluate_model(label: str, out_dir: Path, data: Sequence[BenchmarkData], pr
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return summary
+
+
+def _warn_failed_gradings(console: Console, label: str, benchmark: str, grading: dict[str, int]) -> None:
+    """A sample whose grading timed out, crashed or raised counts as incorrect: say how many there were."""
+    failed = {k: grading[k] for k in ("timeouts", "crashes", "errors") if grading.get(k)}
+    if failed:
+        console.print(f"[yellow]{label} {benchmark}: {failed} of {grading['graded']} gradings failed and count as "
+                      "incorrect (docs/evaluation.md, \"Time, not labels\")[/yellow]")
 
 
 def build_eval_engine(name: str, model, tokenizer, data: Sequence[BenchmarkData], protocol: EvalProtocol,

@@ -4,8 +4,10 @@ from exgrpo.rewards.functions import (ChoiceReward, IsolatedReward, MathReward, 
                                       score_completions)
 from exgrpo.rewards.graders import (after_think, choice_letter, extract_final_answer, grade_choice, grade_math,
                                     grade_math_boxed, last_boxed, score_reasoning_gym)
+from exgrpo.rewards.oat import grade_oat, oat_boxed_answer
 from exgrpo.rewards.pool import GradingPool
+from exgrpo.rewards.restatement import is_restatement
 
-__all__ = ["grade_math", "grade_math_boxed", "grade_choice", "choice_letter", "last_boxed", "after_think",
-           "extract_final_answer", "score_reasoning_gym", "GradingPool", "MathReward", "ChoiceReward",
-           "ReasoningGymReward", "IsolatedReward", "combine_rewards", "score_completions"]
+__all__ = ["grade_math", "grade_math_boxed", "grade_oat", "oat_boxed_answer", "is_restatement", "grade_choice",
+           "choice_letter", "last_boxed", "after_think", "extract_final_answer", "score_reasoning_gym", "GradingPool",
+           "MathReward", "ChoiceReward", "ReasoningGymReward", "IsolatedReward", "combine_rewards", "score_completions"]

@@ -20,8 +20,18 @@ def _in_process(pool: GradingPool | None) -> GradingPool:
     return pool if pool is not None else GradingPool(num_workers=0, timeout=None)
 
 
+def grade_math_for_question(completion: str, task_json: str, think_gate: bool = False) -> float:
+    """`grade_math` of a JSON-encoded [gold, question] pair, question given (picklable for the grading pool)."""
+    gold, question = json.loads(task_json)
+    return grade_math(completion, gold, think_gate=think_gate, question=question)
+
+
 class MathReward:
-    """Training reward (spec §6): math-verify against the `answer` column, 1.0 or 0.0."""
+    """Training reward (spec §6): math-verify against the `answer` column, 1.0 or 0.0, except that an answer
+    restating the arithmetic of its prompt scores 0.0 where the gold is a number (`grade_math` with `question`).
+
+    The question's numbers are read from the prompt as the model saw it (chat template and system text included).
+    """
 
     name = "math"
 
@@ -29,9 +39,16 @@ class MathReward:
         self.think_gate = think_gate
         self.pool = _in_process(pool)
 
-    def __call__(self, prompts: list, completions: list[str], completion_ids: list | None, *,
+    def __call__(self, prompts: list[str], completions: list[str], completion_ids: list | None, *,
                  answer: list[str], **columns: Any) -> list[float]:
-        return self.pool.grade(grade_math, completions, answer, think_gate=self.think_gate)
+        if len(prompts) != len(completions):
+            raise ValueError(f"MathReward: {len(prompts)} prompts but {len(completions)} completions")
+        for prompt in prompts:
+            if not isinstance(prompt, str):
+                raise TypeError(f"MathReward reads each question's numbers from its prompt, which must be text; "
+                                f"got a {type(prompt).__name__}")
+        tasks = [json.dumps([gold, prompt]) for gold, prompt in zip(answer, prompts)]
+        return self.pool.grade(grade_math_for_question, completions, tasks, think_gate=self.think_gate)
 
 
 class ChoiceReward:

@@ -1,5 +1,6 @@
-"""Answer graders: math-verify for math answers, an option grader for multiple choice (ARC-c, GPQA) and
-reasoning-gym's own scorers."""
+"""Answer graders: math-verify for math answers (the training reward, which refuses restated arithmetic when it
+knows the question), the released evaluation grader for the benchmarks (`exgrpo.rewards.oat`), an option grader
+for multiple choice (ARC-c, GPQA) and reasoning-gym's own scorers."""
 
 from __future__ import annotations
 
@@ -11,19 +12,25 @@ import threading
 import sympy
 from math_verify import parse, verify
 
+from exgrpo.rewards.oat import grade_oat
+from exgrpo.rewards.restatement import is_restatement
+
 _MV_TIMEOUT_S = 5  # math-verify's default parse and verify timeouts, which the released reward used
 
 
-def grade_math(completion: str, gold: str, think_gate: bool = False) -> float:
-    """1.0 if math-verify judges the completion's answer equal to `gold`, else 0.0 (released training reward).
+def grade_math(completion: str, gold: str, think_gate: bool = False, question: str | None = None) -> float:
+    """1.0 if math-verify judges the completion's answer equal to `gold`, else 0.0 (the released training reward).
 
     With `think_gate`, a completion without "</think>" scores 0.0 and only the text after the first "</think>" is
     graded. The "<think>" half of the released gate is implied: our prompts end with "<think>\\n".
     Plain text is graded too: math-verify's expression fallback takes the last number in the text (but finds
     none in "answer:12" or "(12)"; tests/rewards/test_rewards.py lists these grader gaps).
-    Where the gold is a number, an answer written as arithmetic on numbers ("3 * 4", "752 * -611 + 290") scores
-    0.0: math-verify evaluates it, so a policy asked to compute an expression would be paid for copying it.
+    With `question` (the prompt's text) and a numeric gold, an answer that restates the question's arithmetic
+    instead of computing it scores 0.0 (`exgrpo.rewards.restatement.is_restatement`): math-verify would evaluate
+    "752 * -611 + 290" and pay for the copy. Without `question` the released reward is reproduced as it is.
     """
+    if question is not None and not isinstance(question, str):
+        raise TypeError(f"grade_math: question must be the prompt's text (str) or None, got {type(question).__name__}")
     if think_gate:
         completion = after_think(completion)
         if completion is None:
@@ -35,27 +42,17 @@ def grade_math(completion: str, gold: str, think_gate: bool = False) -> float:
     try:
         gold_parsed = parse("$" + gold + "$", parsing_timeout=timeout)
         answer_parsed = parse(completion, parsing_timeout=timeout)
-        if _arithmetic_for_a_number(gold_parsed, answer_parsed):
+        if question is not None and _restates(gold_parsed, answer_parsed, question):
             return 0.0
         return float(verify(gold_parsed, answer_parsed, timeout_seconds=timeout))
     except Exception:
         return 0.0
 
 
-_FRACTION = re.compile(r"\s*-?\s*\d+\s*/\s*\d+\s*")
-
-
-def _arithmetic_for_a_number(gold_parsed: list, answer_parsed: list) -> bool:
-    """True when the gold is a number and the answer an unevaluated expression of numbers other than a plain
-    fraction or a percentage (math-verify's parse gives [sympy object, extracted text])."""
-    if len(gold_parsed) < 2 or len(answer_parsed) < 2:
-        return False
-    gold, answer = gold_parsed[0], answer_parsed[0]
-    if not isinstance(gold, sympy.Number) or not isinstance(answer, sympy.Expr) or isinstance(answer, sympy.Number):
-        return False
-    # numbers as written that math-verify keeps unevaluated: p/q, and n% (n * UnevaluatedExpr(1/100))
-    written_as_a_number = _FRACTION.fullmatch(str(answer_parsed[1])) or answer.has(sympy.UnevaluatedExpr)
-    return not answer.free_symbols and not written_as_a_number
+def _restates(gold_parsed: list, answer_parsed: list, question: str) -> bool:
+    """The gold is a number and the answer a restatement of `question` (math-verify's parses: [sympy, text])."""
+    numeric_gold = len(gold_parsed) == 2 and isinstance(gold_parsed[0], sympy.Number)
+    return numeric_gold and len(answer_parsed) == 2 and is_restatement(answer_parsed[0], answer_parsed[1], question)
 
 
 def after_think(text: str) -> str | None:
@@ -65,13 +62,13 @@ def after_think(text: str) -> str | None:
 
 
 def grade_math_boxed(completion: str, gold: str) -> float:
-    """The paper's evaluation label (spec §8, OAT grader): math-verify on the last \\boxed{...} only; no box is 0.0.
+    """The paper's evaluation label (spec §8): the released evaluation grader (OAT's ``boxed_reward_fn`` with
+    ``fast=False``) on the last \\boxed{...}; no box is 0.0. See `exgrpo.rewards.oat`.
 
-    Unlike `grade_math`, neither an earlier box nor a bare number elsewhere in the text counts. The OAT grader's
-    own string/sympy checks are not reproduced: math-verify alone decides equality.
+    Unlike `grade_math`, neither an earlier box nor a bare number elsewhere in the text counts, and an answer
+    written as arithmetic is graded as the released grader grades it (never as a restatement).
     """
-    boxed = last_boxed(completion)
-    return 0.0 if boxed is None else grade_math("\\boxed{" + boxed + "}", gold)
+    return grade_oat(completion, gold)
 
 
 # An option label: a letter (A-D, sometimes E) or, in 22 ARC-c rows, a digit 1-4.
