@@ -104,7 +104,10 @@ def _environment(**values: str) -> Iterator[None]:
         yield
     finally:
         for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def policy_weights(model) -> Iterator[tuple[str, torch.Tensor]]:

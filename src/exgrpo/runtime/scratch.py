@@ -16,15 +16,12 @@ def owned_temp_dir(prefix: str, parent: str | None = None) -> str:
     return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent)
 
 
-def remove_orphans(prefix: str, parent: str | None = None) -> list[Path]:
-    """Remove the files and directories `<parent>/<prefix><pid>-*` whose process no longer exists; the removed."""
-    removed = []
+def remove_orphans(prefix: str, parent: str | None = None) -> None:
+    """Remove the directories `<parent>/<prefix><pid>-*` whose process no longer exists."""
     for path in Path(parent or tempfile.gettempdir()).glob(f"{prefix}*"):
         pid = path.name[len(prefix):].partition("-")[0]
         if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-            removed.append(path)
-    return removed
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:
