@@ -130,3 +130,26 @@ def test_tiny_model_runs_through_the_mixed_phase_with_each_policy(policy):
     assert replayed > 0 if policy == "rlep" else replayed == 0
     state = trainer.state_dict()["trainer"]["replay_policy"]
     assert bool(state) is (policy == "prioritized") and json.dumps(state)
+
+
+def test_excluded_questions_never_shift_the_bucket_draw():
+    """Questions in flight (async) or already asked (replace_from_buffer) are excluded from the draw itself: the
+    bucket scheme then draws over what is left. Drawing extra and dropping the excluded, as before, collapsed the
+    draw onto the lowest buckets (the ids come back grouped by bucket in ascending k)."""
+    k_of = {k: size for k, size in zip(range(1, 8), (30, 40, 50, 50, 50, 40, 30))}
+    buffer = ExperienceBuffer(8)
+    for k, size in k_of.items():
+        for i in range(size):
+            buffer.update_group(f"k{k}-{i}", [True] * k + [False] * (8 - k), [np.array([1, 2])] * 8,
+                                [np.zeros(2, np.float32)] * 8)
+    policy = build_replay_policy("exgrpo", buffer, num_generations=8)
+    in_flight = frozenset(f"fresh-{i}" for i in range(128))  # none of them in the buffer
+    for seed in range(20):
+        want = policy.experiential(64, np.random.default_rng(seed), step=1)
+        assert policy.experiential(64, np.random.default_rng(seed), step=1, exclude=in_flight) == want
+    asked = frozenset(f"k4-{i}" for i in range(25))  # half of bucket 4, in the buffer
+    rng = np.random.default_rng(0)
+    drawn = [q for _ in range(200) for q in policy.experiential(64, rng, step=1, exclude=asked)]
+    assert not asked & set(drawn)
+    high = sum(q.startswith(("k5", "k6", "k7")) for q in drawn) / len(drawn)
+    assert 0.25 < high < 0.40, high  # k >= 5 keeps its share (0.31 without any exclusion); it fell to 0 before

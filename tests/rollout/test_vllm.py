@@ -317,6 +317,7 @@ def test_a_killed_engine_process_stops_the_run_with_a_clear_error_and_its_checkp
     _, stderr = process.communicate(timeout=300)
     assert process.returncode == 2, stderr[-3000:]
     assert "exgrpo: error: the rollout engine failed" in stderr and "EngineDeadError" in stderr, stderr[-3000:]
+    assert "the vLLM engine process died" in stderr  # said by the watcher as it happens
     from exgrpo.runtime.checkpoint import latest_intact_checkpoint
 
     assert latest_intact_checkpoint(run_dir) is not None

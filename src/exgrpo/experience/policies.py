@@ -24,7 +24,11 @@ class ReplayPolicy(Protocol):
     replays_trajectories: bool
     replays_into_fresh: bool
 
-    def experiential(self, n: int, rng: np.random.Generator, step: int) -> list[str]: ...
+    def experiential(self, n: int, rng: np.random.Generator, step: int,
+                     exclude: frozenset[str] = frozenset()) -> list[str]:
+        """Up to n question ids to re-ask at `step`, none in `exclude`: the draw is made over the questions left,
+        so excluding some never shifts it towards others (drawing more and dropping the excluded would)."""
+        ...
 
     def observe(self, question_id: str, successes: int, step: int) -> None: ...
 
@@ -59,8 +63,12 @@ class BucketReplay(_Stateless):
         self.buffer, self.K, self.scheme, self.sigma, self.mean = buffer, K, scheme, sigma, mean
         self.replays_trajectories = replays_trajectories
 
-    def experiential(self, n: int, rng: np.random.Generator, step: int) -> list[str]:
-        return sample_questions(self.buffer.buckets(), n, rng, self.K, self.scheme, self.sigma, self.mean)
+    def experiential(self, n: int, rng: np.random.Generator, step: int,
+                     exclude: frozenset[str] = frozenset()) -> list[str]:
+        buckets = self.buffer.buckets()
+        if exclude:
+            buckets = {k: [q for q in ids if q not in exclude] for k, ids in buckets.items()}
+        return sample_questions(buckets, n, rng, self.K, self.scheme, self.sigma, self.mean)
 
 
 class SuccessReplay(_Stateless):
@@ -70,7 +78,8 @@ class SuccessReplay(_Stateless):
     replays_trajectories = True
     replays_into_fresh = True
 
-    def experiential(self, n: int, rng: np.random.Generator, step: int) -> list[str]:
+    def experiential(self, n: int, rng: np.random.Generator, step: int,
+                     exclude: frozenset[str] = frozenset()) -> list[str]:
         return []
 
 
@@ -93,10 +102,13 @@ class PrioritizedReplay:
         p = np.array([self.success_rate[q] for q in ids])
         return ids, p * (1 - p)
 
-    def experiential(self, n: int, rng: np.random.Generator, step: int) -> list[str]:
+    def experiential(self, n: int, rng: np.random.Generator, step: int,
+                     exclude: frozenset[str] = frozenset()) -> list[str]:
         ids, priority = self.priorities()
         if self.retest_every and step % self.retest_every == 0:
             priority = (priority == 0).astype(float)  # the re-test: extremes only, uniformly
+        if exclude:
+            priority = np.where([q in exclude for q in ids], 0.0, priority)
         candidates = np.flatnonzero(priority > 0)
         n = min(n, len(candidates))
         if n == 0:

@@ -212,8 +212,7 @@ class ExGRPOTrainer:
         c = self.config
         if n is None:
             n = num_experiential(c.train.prompts_per_step, c.train.prompts_per_step, c.experience.ratio)
-        ids = self.replay_policy.experiential(n + len(exclude), rng, step)
-        return [self.pool.questions[qid] for qid in ids if qid not in exclude][:n]
+        return [self.pool.questions[qid] for qid in self.replay_policy.experiential(n, rng, step, exclude)]
 
     def build_groups(self, experiential: list[Question], fresh: list[Question], phase: str,
                      rng: np.random.Generator, timer: StageTimer, step: int) -> list[Group]:
