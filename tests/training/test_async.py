@@ -214,3 +214,15 @@ def test_the_engine_versions_match_the_learner_after_every_push():
     assert pushes == [1, 2, 3, 4] and trainer.engine.weights_version == trainer.update.weights_version
     assert np.allclose([p.detach().sum() for p in trainer.engine.copy.parameters()],
                        [p.detach().sum() for p in trainer.model.parameters()])
+
+
+@pytest.mark.parametrize("size", [6, 10])
+def test_a_pool_no_larger_than_the_steps_in_flight_still_gives_whole_batches(size, tmp_path):
+    """B = 6, s = 1: planning step t + 1 while step t's 6 questions are in flight leaves 0 (or 4) others; the draw
+    then asks questions in flight again, as sync mode would, instead of planning an empty (or short) step."""
+    model, tokenizer = load_policy("tiny:0")
+    trainer = ExGRPOTrainer(model, tokenizer, [first_char_reward],
+                            _config(steps=4, output_dir=str(tmp_path / "run"), experience={"ratio": 0.0}),
+                            _questions(size), engine=CopyEngine(model, tokenizer))
+    steps = _run(trainer)
+    assert [len(s["groups"]) for s in steps] == [6, 6, 6, 6]

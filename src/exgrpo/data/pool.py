@@ -43,10 +43,13 @@ class QuestionPool:
         return len(self.questions) - self.retirement.num_retired
 
     def draw(self, n: int, exclude: frozenset[str] = frozenset()) -> list[Question]:
-        """The next n non-retired questions not in `exclude` (questions in flight, which lose this turn; fewer
-        only when fewer remain in the whole pool)."""
+        """The next n non-retired questions not in `exclude` (questions in flight, which lose this turn), fewer only
+        when fewer remain in the whole pool. When the others cannot fill n, the questions in flight are drawn too, as
+        a sync run would ask them again: a pool no larger than the steps in flight still gives whole batches."""
         out: list[Question] = []
-        n = min(n, self.remaining - sum(not self.retirement.is_retired(qid) for qid in exclude))
+        if self.remaining - sum(not self.retirement.is_retired(qid) for qid in exclude) < n:
+            exclude = frozenset()
+        n = min(n, self.remaining)
         while len(out) < n:
             if self.cursor == len(self._order):
                 self.epoch, self.cursor = self.epoch + 1, 0
