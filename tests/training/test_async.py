@@ -226,3 +226,26 @@ def test_a_pool_no_larger_than_the_steps_in_flight_still_gives_whole_batches(siz
                             _questions(size), engine=CopyEngine(model, tokenizer))
     steps = _run(trainer)
     assert [len(s["groups"]) for s in steps] == [6, 6, 6, 6]
+
+
+def test_the_learners_weights_are_left_as_they_are_while_an_async_engine_evaluates(tmp_path):
+    """bf16 training with LoRA stores the frozen base in bf16 while the *training* model samples; an async engine
+    samples from its own copy, and a push queued behind the evaluation reads the learner's weights from the
+    worker thread: they must be the fp32 weights whatever the evaluation is doing."""
+    from exgrpo.config import LoraConfig
+
+    class DtypeWatch(CopyEngine):
+        """Records the dtypes of the learner's parameters at every generation (evaluations included)."""
+
+        def generate(self, prompt_ids, sampling, seeds):
+            self.seen = getattr(self, "seen", []) + [{p.dtype for p in self.learner.parameters()}]
+            return super().generate(prompt_ids, sampling, seeds)
+
+    model, tokenizer = load_policy("tiny:0", lora=LoraConfig(r=4))
+    config = _config(steps=2, output_dir=str(tmp_path / "run"), train={"dtype": "bf16"}, eval={"every": 1},
+                     model={"lora": {"r": 4}})
+    engine = DtypeWatch(model, tokenizer)
+    trainer = ExGRPOTrainer(model, tokenizer, [first_char_reward], config, _questions(18),
+                            eval_dataset=_questions(24)[18:], engine=engine)
+    _run(trainer)
+    assert len(engine.seen) >= 4 and all(dtypes == {torch.float32} for dtypes in engine.seen), engine.seen

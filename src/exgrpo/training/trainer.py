@@ -23,6 +23,7 @@ members) all read this k.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -358,7 +359,10 @@ class ExGRPOTrainer:
         questions = self.eval_dataset[: c.eval.max_questions] if c.eval.max_questions else self.eval_dataset
         sampling = SamplingSettings.from_config(c.rollout, temperature=c.eval.temperature)
         engine = self.pipeline.worker.as_engine() if self.pipeline else self.engine  # async: behind queued calls
-        with self.update.rollout_weights():
+        # async: the engine samples from its own copy, and a push queued before this evaluation reads the learner's
+        # weights from the worker thread meanwhile, so they stay as they are (rollout_weights would store a LoRA
+        # base in bf16 under bf16 training)
+        with contextlib.nullcontext() if self.pipeline else self.update.rollout_weights():
             return evaluate_accuracy(engine, self.tokenizer, questions, self.scorer.reward_funcs, sampling,
                                      c.eval.samples, seed=derive_seed(c.train.seed, self.step, 4),
                                      success_threshold=c.reward.success_threshold, prompt_ids_of=self.prompt_ids)
