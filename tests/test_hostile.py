@@ -278,6 +278,8 @@ CASES = {  # name: (case, exit code, message on stderr)
     "reward that never reaches the threshold": (lambda d: train(d, "reward.function=toy_rewards:at_most_half",
                                                                 "train.steps=5"), 0,
                                                 "no rollout of the first 5 steps reached"),
+    "async with the hf engine, refused before loading": (lambda d: train(d, "rollout.mode=async"), 2,
+                                                        "needs an engine with its own copy of the weights"),
     "threshold above the declared range": (lambda d: train(d, "reward.success_threshold=2"), 2,
                                            "reward.success_threshold (2.0) must lie in"),
     "skipped updates beyond the budget": (lambda d: train(d, "train.skip_grad_norm=1e-12",

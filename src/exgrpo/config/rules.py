@@ -10,6 +10,12 @@ from exgrpo.errors import ConfigError
 
 # Every `cfg` below is an ExGRPOConfig; it is not imported here because the schema validates itself with these rules.
 
+#: Refusals of rollout.mode async that depend on the engine or the launch, not on the config alone: made before the
+#: model loads for a run built from its config (training/run.py), and by the trainer for an engine passed to it.
+ASYNC_NEEDS_ITS_OWN_ENGINE = ("rollout.mode async needs an engine with its own copy of the weights (rollout.engine "
+                              "vllm): the hf engine samples from the weights the learner is updating")
+ASYNC_IN_ONE_PROCESS = "rollout.mode async runs in one process for now: use rollout.mode sync under torchrun"
+
 
 def validate(cfg, given: set[str] | None = None) -> None:
     """Every value and every combination, before anything is loaded; the error names the field and what it needs.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 
 from exgrpo.runtime.checkpoint import latest_intact_checkpoint, read_trainer_json, step_dirs
 from exgrpo.config import ConfigError, ExGRPOConfig, config_changes
+from exgrpo.config.rules import ASYNC_IN_ONE_PROCESS, ASYNC_NEEDS_ITS_OWN_ENGINE
 from exgrpo.data import conflicting_answers, load_questions, split_holdout
 from exgrpo.runtime.distributed import close_distributed, launched_rank
 from exgrpo.errors import CheckpointError, ExgrpoWarning, Shutdown
@@ -68,11 +70,23 @@ def build_run(config: ExGRPOConfig, log: Callable[[str], None] = print) -> Run:
         log(_loaded("data.eval", c.data.eval, holdout))
         holdout = screen_benchmark_questions(holdout, c.data.benchmark_overlap, f"data.eval {c.data.eval}",
                                              c.data.prompt_suffix)
+    _refuse_async_without_its_engine(c)
     model, tokenizer = load_policy(c.model.name, dtype=c.model.dtype, lora=c.model.lora)
     pool = GradingPool(num_workers=c.reward.workers, timeout=c.reward.timeout)
     reward_funcs = build_reward_funcs(c, pool)
     trainer = ExGRPOTrainer(model, tokenizer, reward_funcs, c, train, eval_dataset=holdout, grading_pool=pool)
     return Run(c, trainer, pool)
+
+
+def _refuse_async_without_its_engine(config: ExGRPOConfig) -> None:
+    """The trainer's refusals of rollout.mode async (which a library caller passing its own engine meets there),
+    made before the model loads for a run built from its config."""
+    if config.rollout.mode != "async":
+        return
+    if config.rollout.engine == "hf":
+        raise ConfigError(ASYNC_NEEDS_ITS_OWN_ENGINE)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(ASYNC_IN_ONE_PROCESS)
 
 
 def _warn_conflicting_answers(source: str, questions) -> None:

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from exgrpo.config import ConfigError, ExGRPOConfig
+from exgrpo.config.rules import ASYNC_IN_ONE_PROCESS, ASYNC_NEEDS_ITS_OWN_ENGINE
 from exgrpo.data import PromptEncoder, Question, QuestionPool, drop_long_prompts
 from exgrpo.errors import Shutdown
 from exgrpo.evaluation.contamination import screen_benchmark_questions
@@ -121,10 +122,9 @@ class ExGRPOTrainer:
         """rollout.mode async: the engine runs on a worker thread, `max_staleness` steps ahead (docs/async.md)."""
         c = self.config
         if isinstance(self.engine, HFEngine):
-            raise ConfigError("rollout.mode async needs an engine with its own copy of the weights (rollout.engine "
-                              "vllm): the hf engine samples from the weights the learner is updating")
+            raise ConfigError(ASYNC_NEEDS_ITS_OWN_ENGINE)
         if self.dist.world_size > 1:
-            raise ConfigError("rollout.mode async runs in one process for now: use rollout.mode sync under torchrun")
+            raise ConfigError(ASYNC_IN_ONE_PROCESS)
         worker = RolloutWorker(self.engine, timeout=c.rollout.sync_timeout)
         return AsyncPipeline(worker, lambda step, in_flight: self.plan_step(step, in_flight),
                              lambda groups, step: self.generation.requests(groups, step),
