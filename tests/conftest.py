@@ -83,6 +83,14 @@ def _shared_memory_of(pids) -> set[str]:
     return found
 
 
+def wait_for_checkpoint(run_dir, step: int, process: subprocess.Popen, timeout: float = 600) -> None:
+    """Until `process` has written the whole checkpoint of `step` (its manifest); fails if it dies first."""
+    deadline = time.monotonic() + timeout
+    while not (Path(run_dir) / "checkpoints" / f"step-{step:06d}" / "manifest.json").exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
+        time.sleep(0.05)
+
+
 def kill_the_learner_only(process: subprocess.Popen) -> tuple[set[int], set[str]]:
     """SIGKILL the learner alone (not its process group, which must have been started as a session of its own);
     every process it started must follow it within seconds. Returns those processes and the shared memory they

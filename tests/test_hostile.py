@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import kill_the_learner_only, run_cli
+from conftest import kill_the_learner_only, run_cli, wait_for_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT.parent / "shared" / "data" / "benchmarks"
@@ -190,10 +190,7 @@ def sigterm_twice_in_a_hung_reward(d):
 
 def sigkill_of_a_learner_with_grading_workers(d):
     proc = start(d, "reward.workers=2", "train.steps=400", "train.save_every=1")
-    wait_for_steps(d, 1, proc)
-    while not (Path(d) / "checkpoints" / "step-000001" / "manifest.json").exists():
-        assert proc.poll() is None
-        time.sleep(0.05)
+    wait_for_checkpoint(d, 1, proc)
     workers, _ = kill_the_learner_only(proc)  # the grading workers follow it within seconds
     assert len(workers) == 2
     return train(d, "--resume", str(d), "train.steps=2", "reward.workers=2", isolated=True)

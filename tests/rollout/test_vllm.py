@@ -10,12 +10,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import kill_the_learner_only, run_cli
+from conftest import kill_the_learner_only, run_cli, wait_for_checkpoint
 
 pytest.importorskip("vllm")
 
@@ -200,7 +199,7 @@ def test_exgrpo_with_the_vllm_engine_switches_replays_and_resumes_exactly(tmp_pa
     # ... and a SIGKILL after step 3 leaves no process, and no weight copy on disk (it goes once the engine loaded it)
     process = subprocess.Popen(_command(resumed, "--resume", str(resumed)), cwd=ROOT, env=ENV, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    _when_checkpoint(resumed, 3, process)
+    wait_for_checkpoint(resumed, 3, process)
     assert not list(Path(tempfile.gettempdir()).glob(f"exgrpo-vllm-{process.pid}-*/*.safetensors"))
     _, shared = kill_the_learner_only(process)
     _train(resumed, "--resume", str(resumed))
@@ -262,13 +261,6 @@ def _start(run_dir, *extra) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
 
-def _when_checkpoint(run_dir, step: int, process: subprocess.Popen, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while not (Path(run_dir) / "checkpoints" / f"step-{step:06d}" / "manifest.json").exists():
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
-        time.sleep(0.5)
-
-
 def _assert_nothing_left_of(pid: int, shared: set[str]) -> None:
     """No temporary file or directory named for learner `pid`, and none of the shared memory its processes used."""
     left = [p for d in (tempfile.gettempdir(), "/dev/shm") for p in Path(d).glob(f"exgrpo-*-{pid}-*")]
@@ -285,7 +277,7 @@ def test_an_async_run_is_one_step_off_policy_and_resumes_exactly_after_a_sigkill
     assert whole[-1]["experience/trajectories"] > 0
     killed = tmp_path / "killed"
     process = _start(killed)
-    _when_checkpoint(killed, 2, process)
+    wait_for_checkpoint(killed, 2, process)
     engine, shared = kill_the_learner_only(process)  # mid-run: the engine core and its worker must follow
     assert len(engine) >= 2 and shared
     _train(killed, "rollout.mode=async", "--resume", str(killed))
@@ -309,7 +301,7 @@ def test_exgrpo_buffer_shows_what_the_async_run_stored(async_run):
 def test_a_killed_engine_process_stops_the_run_with_a_clear_error_and_its_checkpoints_intact(tmp_path):
     run_dir = tmp_path / "run"
     process = _start(run_dir, "train.steps=8")
-    _when_checkpoint(run_dir, 1, process)
+    wait_for_checkpoint(run_dir, 1, process)
     children = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
     cores = [pid for pid in children if "EngineCore" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
     assert cores, children
