@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -81,6 +82,23 @@ def _shared_memory_of(pids) -> set[str]:
             found |= {line.split(None, 5)[5] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
                       if " /dev/shm/" in line and not line.endswith("(deleted)")}
     return found
+
+
+def trained_once(tmp_path_factory, name: str, train: Callable[[Path], object]) -> Path:
+    """The run directory `name`, trained by `train(directory)` once per test session, by whichever xdist worker
+    asks first (a module or session fixture is per worker, so each worker would train its own)."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # .../pytest-N/popen-gwK: pytest-N is the session's, shared
+        root = root.parent
+    run_dir = root / name
+    with FileLock(str(root / f"{name}.lock")):
+        if not (run_dir / "trained").exists():
+            shutil.rmtree(run_dir, ignore_errors=True)
+            train(run_dir)
+            (run_dir / "trained").touch()
+    return run_dir
 
 
 def wait_for_checkpoint(run_dir, step: int, process: subprocess.Popen, timeout: float = 600) -> None:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import trained_once
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}  # for toy_rewards
@@ -34,12 +35,21 @@ def _run(cmd, run_dir, *extra):
     return _metrics(run_dir)
 
 
+TORCHRUN = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2", "-m", "exgrpo",
+            "train"]
+ONE = [sys.executable, "-m", "exgrpo", "train"]
+
+
+def _one_process(tmp_path_factory, *extra):
+    """The one-process run with `extra`, trained once per session: several tests compare against the same one."""
+    name = "one-process" + "".join(f"-{e}" for e in extra)
+    return _metrics(trained_once(tmp_path_factory, name, lambda d: _run(ONE, d, *extra)))
+
+
 @pytest.mark.slow
-def test_two_gloo_ranks_match_one_process(tmp_path):
-    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2",
-                "-m", "exgrpo", "train"]
-    two = _run(torchrun, tmp_path / "ddp")
-    one = _run([sys.executable, "-m", "exgrpo", "train"], tmp_path / "single")
+def test_two_gloo_ranks_match_one_process(tmp_path, tmp_path_factory):
+    two = _run(TORCHRUN, tmp_path / "ddp")
+    one = _one_process(tmp_path_factory)
     assert len(two) == len(one) == STEPS
     assert two[-1]["experience/replayed"] > 0  # the comparison covers the mixed phase with replays
     for a, b in zip(two, one):
@@ -49,11 +59,6 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
         for key in CLOSE:
             if key in b:
                 assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
-
-
-TORCHRUN = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2", "-m", "exgrpo",
-            "train"]
-ONE = [sys.executable, "-m", "exgrpo", "train"]
 
 
 def _assert_same_run(a_metrics, b_metrics):
@@ -68,20 +73,20 @@ def _assert_same_run(a_metrics, b_metrics):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True], ids=["full fine-tuning", "LoRA"])
-def test_fsdp_on_two_ranks_matches_one_process(tmp_path, lora):
+def test_fsdp_on_two_ranks_matches_one_process(tmp_path, tmp_path_factory, lora):
     extra = ["model.lora.r=4"] if lora else []
     two = _run(TORCHRUN, tmp_path / "fsdp", "train.sharding=fsdp", *extra)
-    one = _run(ONE, tmp_path / "single", *extra)
+    one = _one_process(tmp_path_factory, *extra)
     _assert_same_run(two, one)
     assert all(m["replicas/count"] == 2.0 for m in two)  # the ranks' buffers were compared every step
 
 
 @pytest.mark.slow
-def test_fsdp_checkpoints_resume_on_another_number_of_ranks(tmp_path):
+def test_fsdp_checkpoints_resume_on_another_number_of_ranks(tmp_path, tmp_path_factory):
     """A 2-rank FSDP checkpoint continues in one process and a one-process checkpoint on 2 FSDP ranks: both end
     as the uninterrupted one-process run."""
+    reference = _one_process(tmp_path_factory, "model.lora.r=4")
     lora = ["model.lora.r=4", "train.save_every=2"]
-    reference = _run(ONE, tmp_path / "reference", *lora)
     fsdp = ["train.sharding=fsdp"]
     for (first, first_extra), (then, then_extra), name in (((TORCHRUN, fsdp), (ONE, []), "fsdp-then-one"),
                                                           ((ONE, []), (TORCHRUN, fsdp), "one-then-fsdp")):

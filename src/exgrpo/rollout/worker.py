@@ -109,16 +109,19 @@ class RolloutWorker:
     def _submit(self, call: Callable) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         if self._failure is not None:
-            future.set_exception(EngineError(f"the rollout engine failed earlier: {self._failure}"))
+            future.set_exception(self._failed_earlier())
         else:
             self._jobs.put((call, future))
         return future
+
+    def _failed_earlier(self) -> EngineError:
+        return EngineError(f"the rollout engine failed earlier: {type(self._failure).__name__}: {self._failure}")
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             call, future = job
             if self._failure is not None:
-                future.set_exception(EngineError(f"the rollout engine failed earlier: {self._failure}"))
+                future.set_exception(self._failed_earlier())
                 continue
             start = time.perf_counter()
             try:
