@@ -55,7 +55,7 @@ def retention(run_dir: Path) -> dict:
         trainer = run.trainer
         trainer.load_state_dict(load_checkpoint(checkpoint, trainer.model))
         trainer.engine.sync_weights(trainer.update.weights_version)
-        questions = [q for q in trainer.pool.questions.values() if q.id in trainer.solved]
+        questions = [q for q in trainer.experience.pool.questions.values() if q.id in trainer.experience.solved]
         accuracy = evaluate_accuracy(trainer.engine, trainer.tokenizer, questions, trainer.scorer.reward_funcs,
                                      SamplingSettings.from_config(config.rollout, temperature=1.0), SAMPLES, SEED,
                                      config.reward.success_threshold, trainer.prompt_ids)
@@ -63,9 +63,9 @@ def retention(run_dir: Path) -> dict:
         run.close()
     still = sum(p > 0 for p in accuracy.per_question)
     return {"run": str(run_dir), "checkpoint": checkpoint.name, "ever_solved": len(questions),
-            "training_questions": len(trainer.pool.questions), "still_solved": still,
+            "training_questions": len(trainer.experience.pool.questions), "still_solved": still,
             "retention": still / len(questions), "avg@4_on_ever_solved": accuracy.mean,
-            **criteria(run_dir, state, len(trainer.pool.questions), config.rollout.num_generations)}
+            **criteria(run_dir, state, len(trainer.experience.pool.questions), config.rollout.num_generations)}
 
 
 if __name__ == "__main__":

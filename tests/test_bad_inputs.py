@@ -67,7 +67,7 @@ def _nan_reward_is_skipped_by_nansum(tmp_path):
 def _retired_pool_ends(tmp_path):
     trainer = _tiny_trainer(tmp_path, reward=lambda prompts, completions, **_: [1.0] * len(completions), steps=50)
     history = trainer.train()
-    assert len(history) == 2 and trainer.pool.remaining == 0  # 8 questions, 4 per step, all solved K/K
+    assert len(history) == 2 and trainer.experience.pool.remaining == 0  # 8 questions, 4 per step, all solved K/K
 
 
 def _skip_invalid(tmp_path):

@@ -97,9 +97,9 @@ def _trainer(policy, steps=6, **experience):
 
 def test_rlep_replays_a_stored_success_into_the_group_of_a_fresh_question():
     trainer = _trainer("rlep")
-    trainer.phase = MIXED
-    for q in trainer.pool.questions.values():  # every question has a stored success
-        trainer.buffer.update_group(q.id, [True, False, False, False], [np.array([5, 6])] * K,
+    trainer.experience.phase = MIXED
+    for q in trainer.experience.pool.questions.values():  # every question has a stored success
+        trainer.experience.buffer.update_group(q.id, [True, False, False, False], [np.array([5, 6])] * K,
                                     [np.zeros(2, np.float32)] * K)
     metrics, _ = trainer.train_step()
     groups = trainer.last_step.groups
@@ -110,11 +110,11 @@ def test_rlep_replays_a_stored_success_into_the_group_of_a_fresh_question():
 @pytest.mark.parametrize("policy", ["prompt_replay", "prioritized"])
 def test_prompt_level_policies_re_ask_questions_with_fresh_members_only(policy):
     trainer = _trainer(policy, retest_every=0) if policy == "prioritized" else _trainer(policy)
-    trainer.phase = MIXED
+    trainer.experience.phase = MIXED
     for i in range(6):
-        trainer.buffer.update_group(f"q{i}", [True, True, False, False], [np.array([5, 6])] * K,
+        trainer.experience.buffer.update_group(f"q{i}", [True, True, False, False], [np.array([5, 6])] * K,
                                     [np.zeros(2, np.float32)] * K)
-        trainer.replay_policy.observe(f"q{i}", 2, step=0)
+        trainer.experience.replay_policy.observe(f"q{i}", 2, step=0)
     trainer.train_step()
     asked = [g.question.id for g in trainer.last_step.groups]
     assert set(asked[:2]) <= {f"q{i}" for i in range(6)}  # floor(4 * 0.5) re-asked questions come first

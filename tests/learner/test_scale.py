@@ -164,7 +164,7 @@ def test_long_prompts_are_dropped_with_a_warning(tiny_policy, questions, tmp_pat
     with pytest.warns(UserWarning, match="dropped 1 of 5 training questions whose prompt is longer than"):
         trainer = ExGRPOTrainer(model, tok, [lambda completions, **_: [0.0] * len(completions)], config,
                                 questions(4) + [long])
-    assert sorted(trainer.pool.questions) == ["q0", "q1", "q2", "q3"]
+    assert sorted(trainer.experience.pool.questions) == ["q0", "q1", "q2", "q3"]
 
 
 def test_frozen_lora_base_cast_once_gives_autocasts_values():

@@ -74,8 +74,8 @@ def _check_resumable(run) -> None:
     resumed = build_run(load_config(ROOT / "configs" / "tiny.yaml", OVERRIDES + [f"logging.output_dir={run}"]))
     try:
         resumed.trainer.resume(latest)
-        assert resumed.trainer.buffer.fingerprint() == ExperienceBuffer.load(latest / "buffer.safetensors").fingerprint()
-        assert resumed.trainer.step == int(latest.name.split("-")[1]) and resumed.trainer.phase == "mixed"
+        assert resumed.trainer.experience.buffer.fingerprint() == ExperienceBuffer.load(latest / "buffer.safetensors").fingerprint()
+        assert resumed.trainer.step == int(latest.name.split("-")[1]) and resumed.trainer.experience.phase == "mixed"
     finally:
         resumed.close()
 

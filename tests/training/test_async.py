@@ -91,7 +91,7 @@ def _run(trainer):
         groups = [(g.question.id, [m.policy_version for m in g.members if m.sampled],
                    g.members[0].replay.step if g.members[0].replay is not None else None)
                   for g in trainer.last_step.groups]
-        steps.append({"metrics": _without_times(metrics), "groups": groups, "phase_after": trainer.phase})
+        steps.append({"metrics": _without_times(metrics), "groups": groups, "phase_after": trainer.experience.phase})
 
     trainer.train(on_step=on_step)
     return steps

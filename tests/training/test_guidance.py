@@ -107,25 +107,25 @@ def test_demonstrations_join_groups_from_step_0_after_the_chat_templated_prompt(
 
 def test_k_counts_the_policys_own_members_and_demonstrations_are_never_stored(tiny_policy, scripted_engine):
     trainer, _, tok = _trainer(tiny_policy, scripted_engine, [["ab"], ["ab"]], ["a", "b"])
-    trainer.phase = MIXED
+    trainer.experience.phase = MIXED
     trainer.train_step()
     a = tok("a", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     # q0: demo + 3 correct own rollouts: every own member correct, retired; q1: demo correct, own wrong: k = 0,
     # nothing of its own to store
-    assert trainer.buffer.is_retired("q0") and "q1" not in trainer.buffer
-    assert all(t.token_ids.tolist() == a for q in trainer.buffer.questions() for t in trainer.buffer.trajectories(q))
+    assert trainer.experience.buffer.is_retired("q0") and "q1" not in trainer.experience.buffer
+    assert all(t.token_ids.tolist() == a for q in trainer.experience.buffer.questions() for t in trainer.experience.buffer.trajectories(q))
 
 
 def test_fallback_stops_guiding_a_question_once_the_policy_solves_it(tiny_policy, scripted_engine):
     trainer, _, _ = _trainer(tiny_policy, scripted_engine, [["ab"], ["ab"]], ["ab", "b"], mode="fallback")
     first, _ = trainer.train_step()
-    assert first["guidance/demonstrations"] == 2 and trainer.solved == {"q0"}  # each question's one demonstration
-    assert not trainer.buffer.is_retired("q0")
+    assert first["guidance/demonstrations"] == 2 and trainer.experience.solved == {"q0"}  # each question's one demonstration
+    assert not trainer.experience.buffer.is_retired("q0")
     second, _ = trainer.train_step()
     assert second["guidance/demonstrations"] == 1  # q1 only: q0 has been solved by the policy itself
     restored, _, _ = _trainer(tiny_policy, scripted_engine, [["ab"], ["ab"]], ["ab", "b"], mode="fallback")
     restored.load_state_dict(trainer.state_dict())
-    assert restored.solved == {"q0"}
+    assert restored.experience.solved == {"q0"}
 
 
 def test_pack_groups_marks_demonstrations_as_off_policy_rows(tiny_policy, scripted_engine):
@@ -143,7 +143,7 @@ def test_the_delayed_start_reads_the_pass_at_1_of_the_policys_own_members(tiny_p
                              experience={"start_threshold": 0.35})
     metrics, _ = trainer.train_step()
     assert metrics["batch/solved"] == 0.5  # the step's members, demonstrations included
-    assert trainer.phase == "warmup"  # the policy's own Pass@1 is 0
+    assert trainer.experience.phase == "warmup"  # the policy's own Pass@1 is 0
 
 
 def test_replay_metrics_and_the_replay_policy_see_no_demonstrations(tiny_policy, scripted_engine):
@@ -153,4 +153,4 @@ def test_replay_metrics_and_the_replay_policy_see_no_demonstrations(tiny_policy,
     assert metrics["guidance/demonstrations"] == 2
     assert not any(k.startswith("replay/") for k in metrics)  # no replayed trajectory in the step
     # q0: demo correct, own wrong -> k = 0; q1: demo correct, own "a", "b", "a" -> k = 2 of K
-    assert trainer.replay_policy.success_rate == {"q0": 0.0, "q1": 2 / K}
+    assert trainer.experience.replay_policy.success_rate == {"q0": 0.0, "q1": 2 / K}

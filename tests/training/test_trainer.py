@@ -55,8 +55,8 @@ def test_warmup_switch_collection_and_replay(tmp_path):
     before = [p.detach().clone() for p in trainer.model.parameters()]
     log = []
     for _ in range(6):
-        buffer_before = {q: {t.token_ids.tobytes(): t.logprobs for t in trainer.buffer.trajectories(q)}
-                         for q in trainer.buffer.questions()}
+        buffer_before = {q: {t.token_ids.tobytes(): t.logprobs for t in trainer.experience.buffer.trajectories(q)}
+                         for q in trainer.experience.buffer.questions()}
         metrics, _ = trainer.train_step()
         log.append(metrics)
         for g in trainer.last_step.groups:
@@ -128,19 +128,19 @@ def test_replays_know_their_age_version_and_use_count_and_exgrpo_buffer_shows_th
 
     trainer.train(on_step=on_step)
     assert len(seen) >= 3
-    stored = {(q, t.token_ids.tobytes()): t for q in trainer.buffer.questions() for t in trainer.buffer.trajectories(q)}
+    stored = {(q, t.token_ids.tobytes()): t for q in trainer.experience.buffer.questions() for t in trainer.experience.buffer.trajectories(q)}
     assert all(t.uses == uses[key] for key, t in stored.items()) and any(t.uses > 0 for t in stored.values())
 
     result = run_cli(["buffer", "run", "--json", "--examples", "2"])
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
-    assert summary["step"] == 6 and summary["questions"] == len(trainer.buffer)
-    assert summary["trajectories"] == len(stored) and summary["retired"] == trainer.buffer.num_retired
+    assert summary["step"] == 6 and summary["questions"] == len(trainer.experience.buffer)
+    assert summary["trajectories"] == len(stored) and summary["retired"] == trainer.experience.buffer.num_retired
     assert sum(summary["uses_histogram"].values()) == len(stored)
     assert summary["uses_histogram"].get("0", 0) == sum(t.uses == 0 for t in stored.values())
-    assert sum(b["questions"] for b in summary["buckets"]) == len(trainer.buffer)
+    assert sum(b["questions"] for b in summary["buckets"]) == len(trainer.experience.buffer)
     example = summary["examples"][0]
-    first = trainer.buffer.trajectories(example["question_id"])[0]
+    first = trainer.experience.buffer.trajectories(example["question_id"])[0]
     assert example["trajectories"][0]["text"] == trainer.tokenizer.decode(first.token_ids.tolist(),
                                                                          skip_special_tokens=True)
     assert example["trajectories"][0]["age"] == 6 - first.step
@@ -152,14 +152,14 @@ def test_threshold_not_crossed_stays_in_warmup():
     trainer = _trainer(_config(experience={"start_threshold": 0.99}, train={"steps": 2}))
     history = trainer.train()
     assert [m["phase"] for m in history] == [WARMUP, WARMUP]
-    assert len(trainer.buffer) == 0
+    assert len(trainer.experience.buffer) == 0
 
 
 def test_ratio_zero_is_plain_grpo_and_keeps_buffer_empty():
     trainer = _trainer(_config(experience={"ratio": 0.0, "start_threshold": 0.0}, train={"steps": 3}))
     history = trainer.train()
     assert all(m["phase"] == WARMUP for m in history)
-    assert len(trainer.buffer) == 0 and trainer.buffer.num_trajectories == 0
+    assert len(trainer.experience.buffer) == 0 and trainer.experience.buffer.num_trajectories == 0
     assert all(m["experience/replayed"] == 0 for m in history)
 
 
@@ -177,10 +177,10 @@ def test_retired_questions_are_never_drawn_again():
         trainer.train_step()
         ids = {g.question.id for g in trainer.last_step.groups}
         seen_after_retirement += list(ids & retired)
-        retired = set(trainer.buffer.retired)
+        retired = set(trainer.experience.buffer.retired)
     assert easy <= retired
     assert not seen_after_retirement
-    assert not (set(trainer.buffer.questions()) & retired)
+    assert not (set(trainer.experience.buffer.questions()) & retired)
 
 
 def test_pool_exhaustion_ends_cleanly():
@@ -189,7 +189,7 @@ def test_pool_exhaustion_ends_cleanly():
 
     trainer = _trainer(_config(train={"steps": 10}), reward=always_right, questions=_questions(8))
     history = trainer.train()
-    assert len(history) == 1 and trainer.pool.remaining == 0
+    assert len(history) == 1 and trainer.experience.pool.remaining == 0
 
 
 def test_tiny_model_learns_a_rewarded_behaviour():
@@ -272,13 +272,13 @@ def test_one_mixed_step_against_hand_computed_advantages_and_loss(tiny_policy, s
 
     replay_ids = encode("ab") + [eos]
     recorded = (current_logp("q0", replay_ids) - math.log(3)).numpy()
-    trainer.buffer.update_group("q0", [True, False], [np.array(replay_ids), np.array(encode("x"))],
+    trainer.experience.buffer.update_group("q0", [True, False], [np.array(replay_ids), np.array(encode("x"))],
                                 [recorded, np.zeros(1, np.float32)])
-    trainer.phase = MIXED
-    state = trainer.pool.state_dict()
-    if trainer.pool.draw(1)[0].id != "q1":  # make q1 the next fresh question
-        state = trainer.pool.state_dict()
-    trainer.pool.load_state_dict(state)
+    trainer.experience.phase = MIXED
+    state = trainer.experience.pool.state_dict()
+    if trainer.experience.pool.draw(1)[0].id != "q1":  # make q1 the next fresh question
+        state = trainer.experience.pool.state_dict()
+    trainer.experience.pool.load_state_dict(state)
     behaviour_q1 = current_logp("q1", encode("aaaa"))
 
     metrics, _ = trainer.train_step()
@@ -298,7 +298,7 @@ def test_one_mixed_step_against_hand_computed_advantages_and_loss(tiny_policy, s
     assert metrics["experience/replayed"] == 1 and metrics["completions/clipped_ratio"] == pytest.approx(1 / 3)
     assert engine.syncs == 1
     # collection: q1 (1 of 2 correct) is stored with its pre-update log-probs; q0's replay is not stored twice
-    assert trainer.buffer.bucket_of("q1") == 1 and len(trainer.buffer.trajectories("q0")) == 1
-    (stored,) = trainer.buffer.trajectories("q1")
+    assert trainer.experience.buffer.bucket_of("q1") == 1 and len(trainer.experience.buffer.trajectories("q0")) == 1
+    (stored,) = trainer.experience.buffer.trajectories("q1")
     assert stored.token_ids.tolist() == encode("aaaa")
     np.testing.assert_allclose(stored.logprobs, behaviour_q1.numpy(), atol=1e-5)

@@ -77,7 +77,7 @@ def test_backfill_drops_zero_variance_groups_and_rolls_out_fresh_ones(tiny_polic
     assert metrics["generation/rollouts_per_informative_group"] == asked * K / B
     assert metrics["generation/zero_variance_fraction"] == (asked - B) / asked
     solved = [f"q{i}" for i, o in enumerate(outcomes) if o == "aa"]
-    assert metrics["experience/retired_this_step"] == sum(trainer.buffer.is_retired(q) for q in solved) > 0
+    assert metrics["experience/retired_this_step"] == sum(trainer.experience.buffer.is_retired(q) for q in solved) > 0
     # every request of the step had its own seed
     seeds = [s for _, _, call_seeds in engine.calls for s in call_seeds]
     assert len(set(seeds)) == len(seeds)
@@ -111,8 +111,8 @@ def test_replace_from_buffer_refills_from_the_buffer_in_the_mixed_phase(tiny_pol
                                 experience={"start_threshold": 0.0, "ratio": 0.25})
     a = np.array(tok("a", add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
     for i in range(4):
-        trainer.buffer.update_group(f"q{i}", [True, False], [a, a], [np.zeros(len(a), np.float32)] * 2)
-    trainer.phase = MIXED
+        trainer.experience.buffer.update_group(f"q{i}", [True, False], [a, a], [np.zeros(len(a), np.float32)] * 2)
+    trainer.experience.phase = MIXED
     metrics, _ = trainer.train_step()
     replayed = [g.question.id for g in trainer.last_step.groups if g.members[0].replay is not None]
     assert len(replayed) > 1  # one experiential question from experience.ratio, the others refilled

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -112,22 +111,17 @@ class PolicyUpdate:
         loss_scale: "global" or "per_rank" (see the module docstring).
         tis_cap: weight fresh tokens by min(pi_old / pi_engine, tis_cap) where the engine reported log-probs;
             None: no engine correction.
-        on_optimizer_step: called after every applied optimizer step, with `weights_version` updated (e.g. an
-            engine reloading weights).
     """
 
     @classmethod
-    def from_config(cls, model, config: ExGRPOConfig, dist: Distributed,
-                    on_optimizer_step: Callable[[], None] = lambda: None) -> "PolicyUpdate":
+    def from_config(cls, model, config: ExGRPOConfig, dist: Distributed) -> "PolicyUpdate":
         """The update a run's config describes: train.*, K and temperature of rollout.*, objective.loss_scale, and
         the engine correction (`exgrpo.config.engine_correction_cap`)."""
         return cls(model, config.train, config.rollout.num_generations, config.rollout.temperature, dist,
-                   loss_scale=config.objective.loss_scale, tis_cap=engine_correction_cap(config),
-                   on_optimizer_step=on_optimizer_step)
+                   loss_scale=config.objective.loss_scale, tis_cap=engine_correction_cap(config))
 
     def __init__(self, model, train: TrainConfig, group_size: int, temperature: float, dist: Distributed,
-                 loss_scale: str = "global", tis_cap: float | None = None,
-                 on_optimizer_step: Callable[[], None] = lambda: None):
+                 loss_scale: str = "global", tis_cap: float | None = None):
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("the model has no trainable parameters")
         per_mini_batch = train.prompts_per_step // train.mini_batches
@@ -135,7 +129,7 @@ class PolicyUpdate:
             raise ValueError(f"train.prompts_per_step / train.mini_batches = {per_mini_batch} questions per "
                              f"mini-batch cannot be shared by {dist.world_size} data-parallel ranks")
         self.model, self.train, self.K, self.temperature, self.dist = model, train, group_size, temperature, dist
-        self.loss_scale, self.tis_cap, self.on_optimizer_step = loss_scale, tis_cap, on_optimizer_step
+        self.loss_scale, self.tis_cap = loss_scale, tis_cap
         self.sharded = train.sharding == "fsdp" and dist.enabled
         bf16 = train.dtype == "bf16"
         if train.activation_checkpointing:
@@ -354,8 +348,6 @@ class PolicyUpdate:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.optimizer_steps += 1
-        if applied:
-            self.on_optimizer_step()
         return norm
 
     def _gather_rows(self, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

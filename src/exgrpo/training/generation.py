@@ -106,26 +106,23 @@ class GenerationRounds:
                    zero_variance=r.zero_variance, max_rounds=r.max_generation_rounds, distributed=distributed,
                    weights=weights)
 
-    def __call__(self, groups: list[Group], step: int, settle: Settle, refill: Refill,
-                 timer: StageTimer | None = None, weights_version: int | None = None,
-                 sampled_ahead: Callable[[], Sampled] | None = None) -> GenerationResult:
+    def __call__(self, groups: list[Group], step: int, first_round: Callable[[], Sampled], settle: Settle,
+                 refill: Refill, timer: StageTimer | None = None, weights_version: int | None = None
+                 ) -> GenerationResult:
         """Generate for training step `step` (0-based: the steps done before this one) from the policy at
         `weights_version` (applied optimizer steps): an engine that reports another version is an error.
-        `sampled_ahead()` gives the first round's rollouts where they were sampled beforehand (rollout.mode
-        async; its wait counts as rollout time)."""
+        `first_round()` gives the rollouts that fill `groups` (the schedule's; its wait counts as rollout time);
+        refill rounds sample here."""
         timer = timer or StageTimer()
         wanted, stats, asked = len(groups), Generation(), set()
         kept, kept_rewards, kept_correct = [], [], []
         for _ in range(self.max_rounds):
             sampled = len(groups) * self.K - sum(len(g.members) for g in groups)
             with timer("rollout"):
-                if sampled_ahead is not None and not stats.rounds:
-                    ahead = sampled_ahead()
-                    self._check_version(weights_version, ahead.version)
-                    self.fill(groups, ahead.rollouts, ahead.version)
-                else:
-                    self.roll_out(groups, step, first_group=stats.groups, version=weights_version)
-                    self._check_version(weights_version, getattr(self.engine, "weights_version", None))
+                rollouts = first_round() if not stats.rounds else self.sample(groups, step, stats.groups,
+                                                                                 weights_version)
+                self._check_version(weights_version, rollouts.version)
+                self.fill(groups, rollouts.rollouts, rollouts.version)
             with timer("reward"):
                 rewards = self.scorer(groups, step + 1)
             correct = rewards.total >= self.success_threshold
@@ -154,9 +151,10 @@ class GenerationRounds:
             raise EngineError(f"the rollout engine sampled from weights version {held}, but the learner is at version "
                               f"{wanted} (applied optimizer steps): a weight sync did not happen")
 
-    def roll_out(self, groups: list[Group], step: int, first_group: int = 0, version: int | None = None) -> None:
-        """Fill every group up to K members with fresh samples (tagged with the weights `version` they come from).
-        Each rank samples its shard of the groups and every rank receives all of them."""
+    def sample(self, groups: list[Group], step: int, first_group: int = 0, version: int | None = None) -> Sampled:
+        """Fresh samples that fill every group up to K members, with the weights version they come from (the
+        engine's where it reports one, else `version`). Each rank samples its shard of the groups and every rank
+        receives all of them."""
         start, end = self.dist.shard_bounds(len(groups))
         prompts, seeds = self.requests(groups[start:end], step, first_group + start)
         with self.weights():
@@ -164,7 +162,8 @@ class GenerationRounds:
         engine_logprobs = rollouts.logprobs or [None] * len(prompts)
         sampled = self.dist.gather(list(zip(rollouts.completion_ids, rollouts.truncated, engine_logprobs)))
         ids, truncated, logprobs = (list(column) for column in zip(*sampled)) if sampled else ([], [], [])
-        self.fill(groups, Rollouts(ids, truncated, logprobs), version)
+        held = getattr(self.engine, "weights_version", None)
+        return Sampled(Rollouts(ids, truncated, logprobs), version if held is None else held)
 
     def requests(self, groups: Sequence[Group], step: int, first_group: int = 0) -> tuple[list, list[int]]:
         """The (prompt ids, seeds) of the samples that fill `groups` up to K members; group i is the step's

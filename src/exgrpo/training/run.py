@@ -32,8 +32,7 @@ class Run:
     grading_pool: GradingPool
 
     def close(self) -> None:
-        if self.trainer.pipeline:  # its thread first: it may still be sampling a step the run will not reach
-            self.trainer.pipeline.worker.close()
+        self.trainer.source.close()
         self.trainer.engine.close()
         self.grading_pool.close()
 

@@ -12,9 +12,10 @@
   9. update: M mini-batches of the mixed-policy loss (pre-update log-probs = behaviour log-probs);
   10. collect the groups into the buffer (mixed phase only); 11. switch to the mixed phase once the batch Pass@1
   of the policy's own members > threshold (the delayed start); 12. metrics.
-With experience.ratio = 0 the same loop is plain GRPO (PPO clipping throughout, buffer never used). With
-rollout.mode async, steps 1-2 of step t + max_staleness run at the start of step t and its rollouts are sampled
-meanwhile (`exgrpo.training.pipeline`, docs/async.md).
+With experience.ratio = 0 the same loop is plain GRPO (PPO clipping throughout, buffer never used). Steps 1-2 are
+the experience side's (`exgrpo.training.experience`); `exgrpo.training.schedule` runs them max_staleness steps
+ahead (0 in sync mode; docs/async.md) and has the step's first round of rollouts sampled by the rollout source
+chosen once, where the trainer is built.
 
 A question's success count k is the number of correct members among the policy's own (its rollouts and a replayed
 trajectory; demonstrations excluded): the bucket, the replay policy and retirement (k equal to the number of own
@@ -23,7 +24,7 @@ members) all read this k.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 import time
 from pathlib import Path
@@ -34,15 +35,15 @@ import torch
 
 from exgrpo.config import ConfigError, ExGRPOConfig
 from exgrpo.config.rules import ASYNC_IN_ONE_PROCESS, ASYNC_NEEDS_ITS_OWN_ENGINE
-from exgrpo.data import PromptEncoder, Question, QuestionPool, drop_long_prompts
+from exgrpo.data import PromptEncoder, Question, drop_long_prompts
 from exgrpo.errors import Shutdown
 from exgrpo.evaluation.contamination import screen_benchmark_questions
 from exgrpo.evaluation.heldout import Accuracy, evaluate_accuracy
-from exgrpo.experience import ExperienceBuffer, Trajectory, num_experiential, replay_policy_from_config, select_replays
+from exgrpo.experience import Trajectory
 from exgrpo.learner.objective import group_advantages
 from exgrpo.learner.update import PolicyUpdate, loss_settings
 from exgrpo.models import save_policy
-from exgrpo.records import MIXED, WARMUP, Group
+from exgrpo.records import MIXED
 from exgrpo.rewards import GradingPool
 from exgrpo.rewards.health import RewardHealth
 from exgrpo.rewards.scorer import GroupScorer
@@ -57,11 +58,11 @@ from exgrpo.runtime.sharding import full_model_state, refuse_accelerate_fsdp
 from exgrpo.runtime.signals import StopRequest
 from exgrpo.runtime.timing import StageTimer
 from exgrpo.runtime.tracking import Tracker, truncate_metrics
-from exgrpo.training.generation import GenerationRounds, own_members
-from exgrpo.training.groups import form_groups, pack_groups
-from exgrpo.training.guidance import Guidance
+from exgrpo.training.experience import Experience
+from exgrpo.training.generation import GenerationRounds
+from exgrpo.training.groups import pack_groups
 from exgrpo.training.metrics import StepRecord, sample_lines, step_metrics
-from exgrpo.training.pipeline import AsyncPipeline, PlannedStep, staleness_metrics
+from exgrpo.training.schedule import InlineSource, RolloutSource, Schedule, ThreadedSource
 
 __all__ = ["ExGRPOTrainer", "StepRecord"]
 
@@ -98,37 +99,32 @@ class ExGRPOTrainer:
         self.eval_dataset = self._screen(eval_dataset or [], "held-out")
         self.engine = engine or build_engine(c, model, tokenizer, lambda: c.data.max_prompt_length or max(
             (len(self.prompt_ids(q)) for q in [*train_dataset, *self.eval_dataset]), default=0))
-        e, r = c.experience, c.rollout
-        self.buffer = ExperienceBuffer.from_config(e, self.K)
-        self.pool = QuestionPool(train_dataset, c.train.seed, retirement=self.buffer)
-        self.guidance = Guidance.from_config(c.guidance, train_dataset, tokenizer, r.max_completion_length)
-        self.solved: set[str] = set()  # questions with a correct rollout of the policy's own (coverage, guidance)
-        self.replay_policy = replay_policy_from_config(e, self.buffer, self.K)
-        self.pipeline = self._async_pipeline() if r.mode == "async" else None
-        self.update = PolicyUpdate.from_config(  # async: the pipeline pushes after the step's update
-            model, c, self.dist, on_optimizer_step=(lambda: None) if self.pipeline else
-            lambda: self.engine.sync_weights(self.update.weights_version))
+        self.experience = Experience(c, train_dataset, self.prompt_ids, tokenizer, score=self._score_candidates)
+        self.update = PolicyUpdate.from_config(model, c, self.dist)
         self.scorer = GroupScorer(reward_funcs, tokenizer, RewardHealth.from_config(c.reward),
                                   reward_weights=reward_weights, grading_pool=grading_pool, distributed=self.dist)
         self.generation = GenerationRounds.from_config(c, self.engine, self.scorer, distributed=self.dist,
                                                        weights=self.update.rollout_weights)
+        self.source = self._rollout_source()
+        staleness = c.rollout.max_staleness if c.rollout.mode == "async" else 0  # sync: plan and sample each step
+        self.schedule = Schedule(self.source, lambda step, in_flight, timer: self.experience.plan(
+            step, self.update.weights_version, in_flight, timer), staleness, c.train.steps)
         self.parity = ParityProbe.from_config(c)
-        self.phase, self.step, self._resumed, self.stopped_by = WARMUP, 0, False, None
+        self.step, self._resumed, self.stopped_by = 0, False, None
         self.history: list[dict] = []
         self.last_step: StepRecord | None = None
         self.last_evaluation: Accuracy | None = None  # the latest periodic evaluation
 
-    def _async_pipeline(self) -> AsyncPipeline:
-        """rollout.mode async: the engine runs on a worker thread, `max_staleness` steps ahead (docs/async.md)."""
-        c = self.config
+    def _rollout_source(self) -> RolloutSource:
+        """Where rollouts are sampled, chosen once: inline (sync), or on a worker thread, `max_staleness` steps
+        ahead (async; docs/async.md)."""
+        if self.config.rollout.mode == "sync":
+            return InlineSource(self.generation, self.update.rollout_weights)
         if isinstance(self.engine, HFEngine):
             raise ConfigError(ASYNC_NEEDS_ITS_OWN_ENGINE)
         if self.dist.world_size > 1:
             raise ConfigError(ASYNC_IN_ONE_PROCESS)
-        worker = RolloutWorker(self.engine, timeout=c.rollout.sync_timeout)
-        return AsyncPipeline(worker, lambda step, in_flight: self.plan_step(step, in_flight),
-                             lambda groups, step: self.generation.requests(groups, step),
-                             SamplingSettings.from_config(c.rollout), c.rollout.max_staleness, c.train.steps)
+        return ThreadedSource(RolloutWorker(self.engine, timeout=self.config.rollout.sync_timeout), self.generation)
 
     def _screen(self, questions: Sequence[Question], which: str) -> list[Question]:
         """The questions the run may use: benchmark test questions handled as data.benchmark_overlap says, and,
@@ -140,102 +136,44 @@ class ExGRPOTrainer:
     # ------------------------------------------------------------------ the algorithm
     def train_step(self) -> tuple[dict, list[dict]]:
         """One step of ExGRPO (see the module docstring); returns its metrics and example completions."""
-        c, timer, start = self.config, StageTimer(), time.perf_counter()
-        planned, sampled_ahead = self._planned_step(timer)
+        c, timer, start, experience = self.config, StageTimer(), time.perf_counter(), self.experience
+        planned, first_round = self.schedule.next(self.step, timer)  # steps 1-2
         phase, version = planned.phase, self.update.weights_version
-        generated = self.generation(planned.groups, self.step, self.settle,  # roll out, score, retire
-                                    lambda n, asked: self.refill(n, phase, planned.rng, asked, timer), timer,
-                                    weights_version=planned.version, sampled_ahead=sampled_ahead)
+        generated = self.generation(planned.groups, self.step, first_round,  # roll out, score, retire
+                                    functools.partial(experience.settle, step=self.step),
+                                    lambda n, asked: experience.refill(n, planned, asked, timer), timer,
+                                    weights_version=planned.version)
         groups, rewards, correct = generated.groups, generated.rewards, generated.correct
         batch = pack_groups(groups, self.tokenizer.pad_token_id)
         advantages = group_advantages(torch.tensor(rewards.total, dtype=torch.float32), c.objective.scale_rewards)
-        update = self._update(batch, advantages.reshape(-1), phase, timer)
+        self.source.weights_read()
+        update = self.update(batch, advantages.reshape(-1),
+                             loss_settings(c.objective, c.rollout.max_completion_length, phase, c.guidance.gamma),
+                             c.experience.importance_correction, np.random.default_rng([c.train.seed, self.step, 2]),
+                             timer)
+        self.source.push(self.update.weights_version)
         # the parity probe compares engine and trainer on the same weights: not on rollouts of older ones
         parity = self.parity(self.step, batch.engine_logp, batch.engine_mask, update.behaviour_logp) \
             if planned.version == version else {}
         with timer("buffer"):
             if phase == MIXED:
-                self.collect(groups, correct, batch, update.behaviour_logp, version)
-        self.maybe_switch_phase(generated.stats.first_round_pass_at_1)
+                experience.collect(groups, correct, batch.completion_mask.sum(-1).to(torch.long).tolist(),
+                                   update.behaviour_logp, self.step, version)
+        experience.switch_phase(generated.stats.first_round_pass_at_1)
         self.step += 1
         self.last_step = record = StepRecord(phase, groups, rewards, correct, advantages, batch, update,
                                              generated.stats)
-        metrics = step_metrics(record, self.buffer, step=self.step - 1, version=version,
-                               fresh_remaining=self.pool.remaining, learning_rate=self.update.learning_rate,
-                               skipped_updates=self.update.skipped_updates,
-                               solved=len(self.solved), guidance=bool(self.guidance), timings=timer.metrics(),
+        metrics = step_metrics(record, experience.buffer, step=self.step - 1, version=version,
+                               fresh_remaining=experience.pool.remaining, learning_rate=self.update.learning_rate,
+                               skipped_updates=self.update.skipped_updates, solved=len(experience.solved),
+                               guidance=bool(experience.guidance), timings=timer.metrics(),
                                elapsed=time.perf_counter() - start)
-        metrics.update(parity)
-        if self.pipeline:
-            metrics.update({**staleness_metrics(groups, version), **self.pipeline.worker.take_times()})
+        metrics.update({**parity, **self.source.step_metrics(groups, version)})
         if c.train.check_replicas:
-            metrics.update(check_replicas(self.dist, self.step, self.buffer.fingerprint(),
+            metrics.update(check_replicas(self.dist, self.step, experience.buffer.fingerprint(),
                                           None if self.update.sharded else self.model))
         log_samples = c.logging.sample_every and self.step % c.logging.sample_every == 0
         return metrics, sample_lines(groups, rewards.total, self.tokenizer) if log_samples else []
-
-    def _planned_step(self, timer: StageTimer):
-        """Steps 1-2 (sync), or the step planned max_staleness steps ago with a wait for its rollouts (async)."""
-        if not self.pipeline:
-            return self.plan_step(self.step, timer=timer), None
-        self.pipeline.worker.take_times()  # idle times count from here
-        return self.pipeline.next(self.step)
-
-    def _update(self, batch, advantages: torch.Tensor, phase: str, timer: StageTimer):
-        """Step 9; async: once the last push has copied the weights it changes, and pushed after."""
-        c = self.config
-        if self.pipeline:
-            self.pipeline.weights_read()
-        update = self.update(batch, advantages,
-                             loss_settings(c.objective, c.rollout.max_completion_length, phase, c.guidance.gamma),
-                             c.experience.importance_correction, np.random.default_rng([c.train.seed, self.step, 2]),
-                             timer)
-        if self.pipeline:
-            self.pipeline.push(self.update.weights_version)
-        return update
-
-    def plan_step(self, step: int, in_flight: frozenset[str] = frozenset(),
-                  timer: StageTimer | None = None) -> PlannedStep:
-        """Steps 1-2 for step `step`: its experiential and fresh questions (none of those `in_flight`) and their
-        groups, replays and demonstrations included, from the buffer, phase and weights as they are now."""
-        c, timer = self.config, timer or StageTimer()
-        rng = np.random.default_rng([c.train.seed, step])
-        with timer("buffer"):
-            experiential = self.sample_experiential(rng, step, exclude=in_flight) if self.phase == MIXED else []
-        fresh = self.pool.draw(c.train.prompts_per_step - len(experiential), exclude=in_flight)
-        groups = self.build_groups(experiential, fresh, self.phase, rng, timer, step)
-        return PlannedStep(step, self.phase, groups, self.update.weights_version, rng)
-
-    def sample_experiential(self, rng: np.random.Generator, step: int, n: int | None = None,
-                            exclude: frozenset[str] = frozenset()) -> list[Question]:
-        """Up to n (default floor(B * ratio)) questions to re-ask in step `step`, drawn by the replay policy
-        (ExGRPO: from the correctness buckets), none of them in `exclude`."""
-        c = self.config
-        if n is None:
-            n = num_experiential(c.train.prompts_per_step, c.train.prompts_per_step, c.experience.ratio)
-        return [self.pool.questions[qid] for qid in self.replay_policy.experiential(n, rng, step, exclude)]
-
-    def build_groups(self, experiential: list[Question], fresh: list[Question], phase: str,
-                     rng: np.random.Generator, timer: StageTimer, step: int) -> list[Group]:
-        """The step's groups, those whose question replays a stored trajectory first (member 0: the replay)."""
-        policy = self.replay_policy
-        replayed, plain = experiential, fresh
-        if not policy.replays_trajectories:
-            replayed, plain = [], experiential + fresh
-        elif policy.replays_into_fresh and phase == MIXED:
-            replayed = experiential + [q for q in fresh if q.id in self.buffer]
-            plain = [q for q in fresh if q.id not in self.buffer]
-        with timer("selection"):
-            replays = self.select_replays(replayed, rng)
-        groups = form_groups(list(zip(replayed, replays)), plain, self.prompt_ids)
-        self.guidance.add(groups, step, self.solved)
-        return groups
-
-    def select_replays(self, questions: Sequence[Question], rng: np.random.Generator) -> list[Trajectory]:
-        """For each question, the stored trajectory the selection rule picks under the current policy."""
-        e = self.config.experience
-        candidates = [(q, self.buffer.trajectories(q.id)) for q in questions]
-        return select_replays(candidates, e.selection_metric, e.selection_mode, rng, score=self._score_candidates)
 
     def _score_candidates(self, pairs: list[tuple[Question, Trajectory]]) -> list[float]:
         """Selection scores of (question, stored trajectory) pairs; each rank scores a shard, all get every score."""
@@ -243,56 +181,6 @@ class ExGRPOTrainer:
         mine = [(self.prompt_ids(q), t.token_ids.tolist()) for q, t in shard(pairs, self.dist)]
         return self.dist.gather(self.update.selection_scores(mine, e.selection_metric, self.tokenizer.pad_token_id,
                                                              e.selection_batch_size))
-
-    def settle(self, groups: list[Group], correct: np.ndarray) -> int:
-        """A generation round's outcome, dropped groups included: questions whose own members are all correct are
-        retired (spec §2; returns how many now); each question's k goes to the replay policy; questions with a
-        correct rollout of the policy's own are marked solved (coverage; guidance fallback)."""
-        retired = 0
-        for g, ok, own in zip(groups, correct, own_members(groups)):
-            k = int(ok[own].sum())
-            if k == own.sum() and not self.buffer.is_retired(g.question.id):
-                self.buffer.retire(g.question.id)
-                retired += 1
-            self.replay_policy.observe(g.question.id, k, self.step)
-            if k:
-                self.solved.add(g.question.id)
-        return retired
-
-    def refill(self, n: int, phase: str, rng: np.random.Generator, asked: frozenset[str],
-               timer: StageTimer) -> list[Group]:
-        """n groups for dropped slots: with replace_from_buffer in the mixed phase, experiential questions not
-        asked yet this step (with their replays), then fresh questions."""
-        experiential = []
-        if self.config.rollout.zero_variance == "replace_from_buffer" and phase == MIXED:
-            experiential = self.sample_experiential(rng, self.step, n, asked)
-        return self.build_groups(experiential, self.pool.draw(n - len(experiential)), phase, rng, timer, self.step)
-
-    def collect(self, groups: list[Group], correct: np.ndarray, batch, behaviour_logp: torch.Tensor,
-                version: int) -> None:
-        """Move each group's question to its bucket and store its new correct trajectories with their (T,)
-        behaviour log-probs (rows of `behaviour_logp`, packed like `batch`: the pre-update policy's, at weights
-        `version`, which sampled them in sync mode and up to max_staleness steps after in async mode); count a
-        use of each replayed trajectory. Demonstrations are neither counted in k nor stored: the buffer holds the
-        policy's own trajectories."""
-        lengths = batch.completion_mask.sum(-1).to(torch.long).tolist()
-        row = 0
-        for g, ok, own in zip(groups, correct, own_members(groups)):
-            ids, lps = [], []
-            for m in g.members:
-                ids.append(np.asarray(m.completion_ids, dtype=np.int32))
-                lps.append(behaviour_logp[row, :lengths[row]].numpy())
-                row += 1
-            if g.members[0].replay is not None and g.question.id in self.buffer:
-                self.buffer.record_replay(g.question.id, ids[0])
-            self.buffer.update_group(g.question.id, [bool(x) for x in ok & own], ids, lps, step=self.step,
-                                     version=version)  # ignores retired
-
-    def maybe_switch_phase(self, pass_at_1: float) -> None:
-        """The delayed start: switch for good to the mixed phase once batch Pass@1 > start_threshold (strict)."""
-        e = self.config.experience
-        if self.phase == WARMUP and e.ratio > 0 and pass_at_1 > e.start_threshold:
-            self.phase = MIXED
 
     # ------------------------------------------------------------------ the run
     def train(self, tracker: Tracker | None = None, on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
@@ -320,7 +208,7 @@ class ExGRPOTrainer:
         c, dp = self.config, self.dist
         with StopRequest() as stop:
             while self.step < c.train.steps and not dp.any_true(bool(stop.requested)):
-                if self.pool.remaining == 0:
+                if self.experience.pool.remaining == 0:
                     if tracker:
                         tracker.print(f"[yellow]Every training question is retired (solved {self.K}/{self.K}); "
                                       f"stopping at step {self.step}.")
@@ -337,7 +225,7 @@ class ExGRPOTrainer:
         """A step plus what follows it: periodic evaluation, logging, checkpointing."""
         c = self.config
         metrics, samples = self.train_step()
-        last = self.step >= c.train.steps or self.pool.remaining == 0  # the run ends with this step
+        last = self.step >= c.train.steps or self.experience.pool.remaining == 0  # the run ends with this step
         if c.eval.every and self.eval_dataset and (self.step % c.eval.every == 0 or last):
             accuracy = self.last_evaluation = self.evaluate()
             metrics.update({"eval/accuracy": accuracy.mean, "eval/stderr": accuracy.stderr})
@@ -358,39 +246,30 @@ class ExGRPOTrainer:
         c = self.config
         questions = self.eval_dataset[: c.eval.max_questions] if c.eval.max_questions else self.eval_dataset
         sampling = SamplingSettings.from_config(c.rollout, temperature=c.eval.temperature)
-        engine = self.pipeline.worker.as_engine() if self.pipeline else self.engine  # async: behind queued calls
-        # async: the engine samples from its own copy, and a push queued before this evaluation reads the learner's
-        # weights from the worker thread meanwhile, so they stay as they are (rollout_weights would store a LoRA
-        # base in bf16 under bf16 training)
-        with contextlib.nullcontext() if self.pipeline else self.update.rollout_weights():
+        with self.source.evaluation_engine() as engine:
             return evaluate_accuracy(engine, self.tokenizer, questions, self.scorer.reward_funcs, sampling,
                                      c.eval.samples, seed=derive_seed(c.train.seed, self.step, 4),
                                      success_threshold=c.reward.success_threshold, prompt_ids_of=self.prompt_ids)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        """Everything but the model weights and global RNGs: {"trainer": JSON-able progress and the resolved
-        config, "optimizer": optimizer and scheduler state, "buffer": the experience buffer's state}."""
-        update = self.update.state_dict()
-        trainer = {"step": self.step, "phase": self.phase, "pool": self.pool.state_dict(),
-                   "optimizer_steps": update.pop("optimizer_steps"), "skipped_updates": update.pop("skipped_updates"),
-                   "replay_policy": self.replay_policy.state_dict(), "solved": sorted(self.solved),
-                   "config": self.config.to_dict()}
-        if self.pipeline:  # the steps in flight, with their rollouts (waited for)
-            trainer["in_flight"] = self.pipeline.state_dict()
-        return {"trainer": trainer, "optimizer": update, "buffer": self.buffer.state_dict()}
+        """Everything but the model weights and global RNGs: {"trainer": JSON-able progress, the steps in flight
+        with their rollouts (waited for) and the resolved config, "optimizer": optimizer and scheduler state,
+        "buffer": the experience buffer's state}."""
+        update, experience = self.update.state_dict(), self.experience.state_dict()
+        trainer = {"step": self.step, **experience["trainer"], "optimizer_steps": update.pop("optimizer_steps"),
+                   "skipped_updates": update.pop("skipped_updates"), "config": self.config.to_dict()}
+        if in_flight := self.schedule.state_dict():
+            trainer["in_flight"] = in_flight
+        return {"trainer": trainer, "optimizer": update, "buffer": experience["buffer"]}
 
     def load_state_dict(self, state: dict) -> None:
         trainer = state["trainer"]
         self.update.load_state_dict({**state["optimizer"], "optimizer_steps": trainer["optimizer_steps"],
                                      "skipped_updates": trainer["skipped_updates"]})
-        self.buffer.load_state_dict(state["buffer"])
-        self.step, self.phase = trainer["step"], trainer["phase"]
-        self.pool.load_state_dict(trainer["pool"])
-        self.replay_policy.load_state_dict(trainer.get("replay_policy", {}))
-        self.solved = set(trainer.get("solved", []))
-        if self.pipeline:
-            self.pipeline.load_state_dict(trainer.get("in_flight", []), self.pool.questions, self.prompt_ids)
+        self.experience.load_state_dict(trainer, state["buffer"])
+        self.step = trainer["step"]
+        self.schedule.load_state_dict(trainer.get("in_flight", []), self.experience.pool.questions, self.prompt_ids)
 
     def save(self) -> None:
         """Checkpoint the current step: every rank gathers the state (FSDP needs them all), rank 0 writes it."""
@@ -411,7 +290,4 @@ class ExGRPOTrainer:
         self._resumed = True
         if self.dist.is_main:
             truncate_metrics(self.config.logging.output_dir, self.step)
-        if self.pipeline:
-            self.pipeline.push(self.update.weights_version)
-        else:
-            self.engine.sync_weights(self.update.weights_version)
+        self.source.push(self.update.weights_version)

@@ -1,0 +1,171 @@
+"""The experience side of ExGRPO (spec §2-§4): what a step asks and what the run keeps of what it saw.
+
+`Experience` owns the phase (warm-up, then mixed after the delayed start), the fresh question pool, the buffer of
+correct trajectories, the replay policy that draws experiential questions, guidance and coverage. Each step it
+plans the groups (stages 1-2 of the trainer), settles each generation round (retirement and each question's k),
+refills dropped slots, collects the trained groups into the buffer and decides the switch to the mixed phase. It
+never touches the learner: replay candidates are scored by the function it is given, and the weights version
+comes with each call that needs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from exgrpo.config import ExGRPOConfig
+from exgrpo.data import Question, QuestionPool
+from exgrpo.experience import ExperienceBuffer, Trajectory, num_experiential, replay_policy_from_config, select_replays
+from exgrpo.records import MIXED, WARMUP, Group
+from exgrpo.runtime.timing import StageTimer
+from exgrpo.training.generation import own_members
+from exgrpo.training.groups import form_groups
+from exgrpo.training.guidance import Guidance
+
+ScoreCandidates = Callable[[list[tuple[Question, Trajectory]]], list[float]]
+
+
+@dataclass
+class PlannedStep:
+    """A step's groups before their rollouts: experiential groups hold their replay as member 0, guided groups
+    their demonstrations. `version`: the weights version (applied optimizer steps) the rollouts are sampled
+    from; `rng`: the step's random stream, which refill rounds continue."""
+
+    step: int
+    phase: str
+    groups: list[Group]
+    version: int
+    rng: np.random.Generator | None = None
+
+    @property
+    def question_ids(self) -> set[str]:
+        return {g.question.id for g in self.groups}
+
+
+class Experience:
+    """Args:
+        config: the run configuration.
+        questions: the training questions (screened).
+        prompt_ids: a question's prompt token ids.
+        tokenizer: tokenizes demonstrations (guidance).
+        score: selection scores of (question, stored trajectory) pairs under the current policy.
+    """
+
+    def __init__(self, config: ExGRPOConfig, questions: Sequence[Question], prompt_ids: Callable[[Question], list],
+                 tokenizer, score: ScoreCandidates):
+        c, e = config, config.experience
+        self.config, self.prompt_ids, self.score, self.K = c, prompt_ids, score, c.rollout.num_generations
+        self.buffer = ExperienceBuffer.from_config(e, self.K)
+        self.pool = QuestionPool(questions, c.train.seed, retirement=self.buffer)
+        self.guidance = Guidance.from_config(c.guidance, questions, tokenizer, c.rollout.max_completion_length)
+        self.replay_policy = replay_policy_from_config(e, self.buffer, self.K)
+        self.solved: set[str] = set()  # questions with a correct rollout of the policy's own (coverage, guidance)
+        self.phase = WARMUP
+
+    def plan(self, step: int, version: int, in_flight: frozenset[str] = frozenset(),
+             timer: StageTimer | None = None) -> PlannedStep:
+        """Stages 1-2 for step `step`: its experiential and fresh questions (none of those `in_flight`) and their
+        groups, replays and demonstrations included, from the buffer and phase as they are now."""
+        c, timer = self.config, timer or StageTimer()
+        rng = np.random.default_rng([c.train.seed, step])
+        with timer("buffer"):
+            experiential = self.sample_experiential(rng, step, exclude=in_flight) if self.phase == MIXED else []
+        fresh = self.pool.draw(c.train.prompts_per_step - len(experiential), exclude=in_flight)
+        groups = self.build_groups(experiential, fresh, self.phase, rng, timer, step)
+        return PlannedStep(step, self.phase, groups, version, rng)
+
+    def sample_experiential(self, rng: np.random.Generator, step: int, n: int | None = None,
+                            exclude: frozenset[str] = frozenset()) -> list[Question]:
+        """Up to n (default floor(B * ratio)) questions to re-ask in step `step`, drawn by the replay policy
+        (ExGRPO: from the correctness buckets), none of them in `exclude`."""
+        c = self.config
+        if n is None:
+            n = num_experiential(c.train.prompts_per_step, c.train.prompts_per_step, c.experience.ratio)
+        return [self.pool.questions[qid] for qid in self.replay_policy.experiential(n, rng, step, exclude)]
+
+    def build_groups(self, experiential: list[Question], fresh: list[Question], phase: str,
+                     rng: np.random.Generator, timer: StageTimer, step: int) -> list[Group]:
+        """The step's groups, those whose question replays a stored trajectory first (member 0: the replay)."""
+        policy = self.replay_policy
+        replayed, plain = experiential, fresh
+        if not policy.replays_trajectories:
+            replayed, plain = [], experiential + fresh
+        elif policy.replays_into_fresh and phase == MIXED:
+            replayed = experiential + [q for q in fresh if q.id in self.buffer]
+            plain = [q for q in fresh if q.id not in self.buffer]
+        with timer("selection"):
+            replays = self.select_replays(replayed, rng)
+        groups = form_groups(list(zip(replayed, replays)), plain, self.prompt_ids)
+        self.guidance.add(groups, step, self.solved)
+        return groups
+
+    def select_replays(self, questions: Sequence[Question], rng: np.random.Generator) -> list[Trajectory]:
+        """For each question, the stored trajectory the selection rule picks under the current policy."""
+        e = self.config.experience
+        candidates = [(q, self.buffer.trajectories(q.id)) for q in questions]
+        return select_replays(candidates, e.selection_metric, e.selection_mode, rng, score=self.score)
+
+    def settle(self, groups: list[Group], correct: np.ndarray, step: int) -> int:
+        """A generation round's outcome, dropped groups included: questions whose own members are all correct are
+        retired (spec §2; returns how many now); each question's k goes to the replay policy; questions with a
+        correct rollout of the policy's own are marked solved (coverage; guidance fallback)."""
+        retired = 0
+        for g, ok, own in zip(groups, correct, own_members(groups)):
+            k = int(ok[own].sum())
+            if k == own.sum() and not self.buffer.is_retired(g.question.id):
+                self.buffer.retire(g.question.id)
+                retired += 1
+            self.replay_policy.observe(g.question.id, k, step)
+            if k:
+                self.solved.add(g.question.id)
+        return retired
+
+    def refill(self, n: int, planned: PlannedStep, asked: frozenset[str], timer: StageTimer) -> list[Group]:
+        """n groups for the planned step's dropped slots: with replace_from_buffer in the mixed phase, experiential
+        questions not asked yet this step (with their replays), then fresh questions."""
+        experiential = []
+        if self.config.rollout.zero_variance == "replace_from_buffer" and planned.phase == MIXED:
+            experiential = self.sample_experiential(planned.rng, planned.step, n, asked)
+        return self.build_groups(experiential, self.pool.draw(n - len(experiential)), planned.phase, planned.rng,
+                                 timer, planned.step)
+
+    def collect(self, groups: list[Group], correct: np.ndarray, lengths: list[int], behaviour_logp: torch.Tensor,
+                step: int, version: int) -> None:
+        """Move each group's question to its bucket and store its new correct trajectories with their behaviour
+        log-probs (`behaviour_logp`: (G*K, T), rows in group order, the first `lengths[row]` of each valid: the
+        pre-update policy's, at weights `version`); count a use of each replayed trajectory. Demonstrations are
+        neither counted in k nor stored: the buffer holds the policy's own trajectories."""
+        row = 0
+        for g, ok, own in zip(groups, correct, own_members(groups)):
+            ids, lps = [], []
+            for m in g.members:
+                ids.append(np.asarray(m.completion_ids, dtype=np.int32))
+                lps.append(behaviour_logp[row, :lengths[row]].numpy())
+                row += 1
+            if g.members[0].replay is not None and g.question.id in self.buffer:
+                self.buffer.record_replay(g.question.id, ids[0])
+            self.buffer.update_group(g.question.id, [bool(x) for x in ok & own], ids, lps, step=step,
+                                     version=version)  # ignores retired
+
+    def switch_phase(self, pass_at_1: float) -> None:
+        """The delayed start: switch for good to the mixed phase once batch Pass@1 > start_threshold (strict)."""
+        e = self.config.experience
+        if self.phase == WARMUP and e.ratio > 0 and pass_at_1 > e.start_threshold:
+            self.phase = MIXED
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """{"trainer": the JSON-able part, "buffer": the buffer's state}."""
+        return {"trainer": {"phase": self.phase, "pool": self.pool.state_dict(),
+                            "replay_policy": self.replay_policy.state_dict(), "solved": sorted(self.solved)},
+                "buffer": self.buffer.state_dict()}
+
+    def load_state_dict(self, trainer: dict, buffer: dict) -> None:
+        self.buffer.load_state_dict(buffer)
+        self.phase = trainer["phase"]
+        self.pool.load_state_dict(trainer["pool"])
+        self.replay_policy.load_state_dict(trainer.get("replay_policy", {}))
+        self.solved = set(trainer.get("solved", []))

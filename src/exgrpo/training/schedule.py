@@ -1,0 +1,220 @@
+"""When and where a step's rollouts are sampled: one schedule for both modes (docs/async.md).
+
+At the start of step t the learner plans the steps up to t + s (s = rollout.max_staleness; sync mode is s = 0) and
+submits each one's generation to the rollout source; step t then waits for its own rollouts. Step t's rollouts are
+sampled from exactly the weights after step max(t - s, 0): a step is planned (the buffer, phase and selection as
+they are then, under the current weights) s steps before it trains, and the engine runs its generation after the
+push of the weights current at that time. The rollout source decides where and when sampling happens:
+
+* `InlineSource` (rollout.mode sync): on the learner's thread when the step waits for its rollouts, each rank
+  sampling its shard of the groups;
+* `ThreadedSource` (rollout.mode async): on a RolloutWorker thread driving an engine with its own copy of the
+  weights, in order with the weight pushes, while the learner trains.
+
+A checkpoint holds the steps in flight with their finished rollouts (waited for), so a resumed run continues
+exactly where it stopped; at s = 0 none is in flight between steps.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from typing import Callable, ContextManager, Iterator, Protocol
+
+import numpy as np
+
+from exgrpo.data import Question
+from exgrpo.experience import Trajectory
+from exgrpo.records import Group, Member
+from exgrpo.rollout import RolloutEngine, Rollouts
+from exgrpo.rollout.worker import RolloutWorker, Sampled
+from exgrpo.runtime.timing import StageTimer
+from exgrpo.training.experience import PlannedStep
+from exgrpo.training.generation import GenerationRounds
+
+Plan = Callable[[int, frozenset, StageTimer], PlannedStep]  # (step, question ids in flight, timer) -> the plan
+Wait = Callable[[], Sampled]  # a planned step's rollouts, sampled or waited for
+
+
+class RolloutSource(Protocol):
+    def submit(self, planned: PlannedStep) -> Wait:
+        """Start (or defer) sampling the members that fill the planned step's groups."""
+        ...
+
+    def push(self, version: int) -> None:
+        """The learner's weights are now at `version`: the engine samples from them from the next submitted step."""
+        ...
+
+    def weights_read(self) -> None:
+        """Return once the last push no longer reads the learner's weights (before the learner changes them)."""
+        ...
+
+    def begin_step(self) -> None:
+        """A training step starts: the times `step_metrics` reports count from here."""
+        ...
+
+    def step_metrics(self, groups: list[Group], version: int) -> dict[str, float]:
+        """What the source measures of a trained step (groups as trained, learner at `version`)."""
+        ...
+
+    def evaluation_engine(self) -> ContextManager[RolloutEngine]:
+        """The engine to evaluate with between steps, with the weights of the last push."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class InlineSource:
+    """rollout.mode sync: a step's rollouts are sampled when it waits for them, by `generation` (each rank its
+    shard of the groups) under `rollout_weights`; a push marks the engine's copy, if it has one, to be reloaded."""
+
+    def __init__(self, generation: GenerationRounds, rollout_weights: Callable[[], ContextManager]):
+        self.generation, self.engine, self.rollout_weights = generation, generation.engine, rollout_weights
+
+    def submit(self, planned: PlannedStep) -> Wait:
+        return lambda: self.generation.sample(planned.groups, planned.step, version=planned.version)
+
+    def push(self, version: int) -> None:
+        self.engine.sync_weights(version)
+
+    def weights_read(self) -> None:
+        pass
+
+    def begin_step(self) -> None:
+        pass
+
+    def step_metrics(self, groups: list[Group], version: int) -> dict[str, float]:
+        return {}
+
+    @contextlib.contextmanager
+    def evaluation_engine(self) -> Iterator[RolloutEngine]:
+        with self.rollout_weights():
+            yield self.engine
+
+    def close(self) -> None:
+        pass
+
+
+class ThreadedSource:
+    """rollout.mode async: `worker` samples submitted steps in the background, in order with the weight pushes.
+    A push reads the learner's weights on the worker thread, so the learner waits for it (`weights_read`) before
+    changing them."""
+
+    def __init__(self, worker: RolloutWorker, generation: GenerationRounds):
+        self.worker, self.generation, self._push = worker, generation, None
+
+    def submit(self, planned: PlannedStep) -> Wait:
+        prompts, seeds = self.generation.requests(planned.groups, planned.step)
+        future = self.worker.generate(prompts, self.generation.sampling, seeds)
+        return lambda: self.worker.wait(future, f"the rollouts of step {planned.step}")
+
+    def push(self, version: int) -> None:
+        self._push = self.worker.push(version)
+
+    def weights_read(self) -> None:
+        if self._push is not None:
+            self.worker.wait(self._push, "weight push")
+            self._push = None
+
+    def begin_step(self) -> None:
+        self.worker.take_times()
+
+    def step_metrics(self, groups: list[Group], version: int) -> dict[str, float]:
+        return {**staleness_metrics(groups, version), **self.worker.take_times()}
+
+    @contextlib.contextmanager
+    def evaluation_engine(self) -> Iterator[RolloutEngine]:
+        # the engine samples from its own copy; a push queued before the evaluation reads the learner's weights
+        # from the worker thread meanwhile, so they stay as they are (no rollout_weights)
+        yield self.worker.as_engine()
+
+    def close(self) -> None:
+        self.worker.close()  # its thread first: it may still be sampling a step the run will not reach
+
+
+class Schedule:
+    """Keeps the steps up to t + max_staleness planned and their generation submitted to the source.
+
+    Args:
+        source: where rollouts are sampled.
+        plan: forms a step's groups, leaving out questions in flight.
+        max_staleness: s, steps between planning a step and training on it (0: sync).
+        last_step: steps past this one are never planned (train.steps).
+    """
+
+    def __init__(self, source: RolloutSource, plan: Plan, max_staleness: int, last_step: int):
+        self.source, self._plan, self.max_staleness, self.last_step = source, plan, max_staleness, last_step
+        self._in_flight: collections.deque[tuple[PlannedStep, Wait]] = collections.deque()
+
+    def next(self, step: int, timer: StageTimer) -> tuple[PlannedStep, Wait]:
+        """Step `step`'s plan and a wait for its rollouts, after planning and submitting the steps up to
+        step + max_staleness."""
+        self.source.begin_step()
+        planned_up_to = self._in_flight[-1][0].step if self._in_flight else step - 1
+        for ahead in range(planned_up_to + 1, min(step + self.max_staleness, self.last_step - 1) + 1):
+            in_flight = frozenset().union(*(p.question_ids for p, _ in self._in_flight))
+            planned = self._plan(ahead, in_flight, timer)
+            self._in_flight.append((planned, self.source.submit(planned)))
+        planned, wait = self._in_flight.popleft()
+        if planned.step != step:
+            raise RuntimeError(f"the schedule holds step {planned.step} where step {step} was due")
+        return planned, wait
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> list[dict]:
+        """The steps in flight with their rollouts, waiting for any still being sampled (JSON-able)."""
+        return [_encode(planned, wait()) for planned, wait in self._in_flight]
+
+    def load_state_dict(self, state: list[dict], questions: dict[str, Question],
+                        prompt_ids: Callable[[Question], list[int]]) -> None:
+        self._in_flight.clear()
+        for entry in state:
+            planned, sampled = _decode(entry, questions, prompt_ids)
+            self._in_flight.append((planned, lambda sampled=sampled: sampled))
+
+
+def staleness_metrics(groups: list[Group], learner_version: int) -> dict[str, float]:
+    """async/staleness_{mean,max}: versions between the learner's weights and those that sampled each trained
+    fresh token (token-weighted; replayed members are counted by replay/version_lag_mean instead)."""
+    lags = [(learner_version - m.policy_version, len(m.completion_ids))
+            for g in groups for m in g.members if m.sampled and m.policy_version is not None]
+    if not lags:
+        return {}
+    lag, tokens = np.array(lags, dtype=np.float64).T
+    return {"async/staleness_mean": float((lag * tokens).sum() / max(tokens.sum(), 1)),
+            "async/staleness_max": float(lag.max())}
+
+
+def _encode(planned: PlannedStep, sampled: Sampled) -> dict:
+    def member(m: Member) -> dict:
+        out = {"ids": m.completion_ids, "demonstration": m.demonstration}
+        if m.replay is not None:
+            t = m.replay
+            out["replay"] = {"logprobs": t.logprobs.tolist(), "step": t.step, "version": t.version, "uses": t.uses}
+        return out
+
+    r = sampled.rollouts
+    return {"step": planned.step, "phase": planned.phase, "version": planned.version,
+            "groups": [{"question": g.question.id, "members": [member(m) for m in g.members]}
+                       for g in planned.groups],
+            "rollouts": {"ids": r.completion_ids, "truncated": r.truncated, "logprobs": r.logprobs,
+                         "version": sampled.version}}
+
+
+def _decode(entry: dict, questions: dict[str, Question], prompt_ids) -> tuple[PlannedStep, Sampled]:
+    def member(m: dict) -> Member:
+        replay = m.get("replay")
+        if replay is None:
+            return Member(list(m["ids"]), demonstration=m["demonstration"])
+        trajectory = Trajectory(np.asarray(m["ids"], np.int32), np.asarray(replay["logprobs"], np.float32),
+                                replay["step"], replay["version"], replay["uses"])
+        return Member(list(m["ids"]), replay=trajectory)
+
+    groups = []
+    for g in entry["groups"]:
+        question = questions[g["question"]]
+        groups.append(Group(question, prompt_ids(question), [member(m) for m in g["members"]]))
+    r = entry["rollouts"]
+    planned = PlannedStep(entry["step"], entry["phase"], groups, entry["version"])
+    return planned, Sampled(Rollouts(r["ids"], r["truncated"], r["logprobs"]), r["version"])
