@@ -145,12 +145,14 @@ def test_collection_rule_buckets_and_dedup():
     assert stored[1].token_ids.tolist() == [4, 5] and stored[1].step == 4
 
 
-def test_zero_of_k_keeps_stale_entry_and_k_of_k_retires():
+def test_zero_of_k_keeps_stale_entry_and_retiring_drops_it_for_good():
     buf = ExperienceBuffer(K)
     _group(buf, "q", [True] * 3 + [False] * 5)
     assert _group(buf, "q", [False] * K) == "skipped"
     assert buf.bucket_of("q") == 3 and buf.num_trajectories == 3
-    assert _group(buf, "q", [True] * K) == "retired"
+    assert _group(buf, "q", [True] * K) == "skipped"  # retiring is the caller's decision, made once
+    assert buf.bucket_of("q") == 3 and not buf.is_retired("q")
+    buf.retire("q")
     assert "q" not in buf and buf.is_retired("q") and buf.num_trajectories == 0
     assert _group(buf, "q", [True] + [False] * 7) == "ignored"
     assert "q" not in buf
@@ -185,7 +187,7 @@ def test_save_load_roundtrip_uses_no_pickle(tmp_path):
     buf = ExperienceBuffer(K)
     for i in range(20):
         _group(buf, f"q{i}", [True] * (1 + i % 7) + [False] * (7 - i % 7), step=i)
-    _group(buf, "q3", [True] * K)
+    buf.retire("q3")
     path = tmp_path / "buffer.safetensors"
     buf.save(path)
     loaded = ExperienceBuffer.load(path)

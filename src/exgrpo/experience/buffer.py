@@ -7,8 +7,9 @@ trajectories leave holes that are compacted away once they make up half of the a
 
 Collection rule (spec §2): a group of K rollouts with k correct is collected iff ``lbound < k <= rbound``
 (default 0 < k <= K-1): the question moves to bucket k and its unseen correct trajectories are appended.
-A K/K group retires the question for good (entries dropped, never sampled again). A 0/K group changes nothing,
-as in the released code: the question keeps its stale bucket and trajectories.
+A 0/K group changes nothing, as in the released code: the question keeps its stale bucket and trajectories.
+Retirement (entries dropped, never sampled or collected again) is the caller's one decision, `retire`: ExGRPO's
+experience side retires a question whose own members were all correct (`exgrpo.training.experience`).
 """
 
 from __future__ import annotations
@@ -211,7 +212,8 @@ class ExperienceBuffer:
         step: int = 0,
         version: int = -1,
     ) -> str:
-        """Apply one group's outcome. Returns what happened: "retired", "collected", "skipped" or "ignored".
+        """Apply one group's outcome. Returns what happened: "collected", "skipped" (k outside the bounds) or
+        "ignored" (a retired question).
 
         Args:
             question_id: the question's stable id.
@@ -226,9 +228,6 @@ class ExperienceBuffer:
         if question_id in self._retired:
             return "ignored"
         k = int(sum(bool(c) for c in correct))
-        if k == self.num_generations:
-            self.retire(question_id)
-            return "retired"
         if not self.lbound < k <= self.rbound:
             return "skipped"
         if token_ids is None or logprobs is None:
