@@ -10,7 +10,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from exgrpo.config import LoraConfig
 from exgrpo.models import apply_lora, load_policy
-from exgrpo.rollout.vllm import EngineError, check_pushable, policy_weights
+from exgrpo.rollout.vllm import EngineError
+from exgrpo.rollout.weights import check_pushable, policy_weights
 
 
 def _randomise_adapters(model):
