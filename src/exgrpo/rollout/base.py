@@ -55,9 +55,9 @@ class RolloutEngine(Protocol):
         ...
 
     def sync_weights(self, version: int = 0) -> None:
-        """Called after every applied optimizer step and after a resume: the trainer's weights are now at `version`
-        (applied optimizer steps). An engine holding its own copy reloads it and reports the version it holds as
-        `weights_version`, which the generation stage checks against the learner's."""
+        """Called after an update that changed the weights and after a resume: the trainer's weights are now at
+        `version` (applied optimizer steps). An engine holding its own copy reloads it and reports the version it
+        holds as `weights_version`, which the generation stage checks against the learner's."""
         ...
 
     def close(self) -> None:

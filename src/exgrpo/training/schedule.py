@@ -67,16 +67,20 @@ class RolloutSource(Protocol):
 
 class InlineSource:
     """rollout.mode sync: a step's rollouts are sampled when it waits for them, by `generation` (each rank its
-    shard of the groups) under `rollout_weights`; a push marks the engine's copy, if it has one, to be reloaded."""
+    shard of the groups) under `rollout_weights`; a push marks the engine's copy, if it has one, to be reloaded
+    (not when the version is the one it holds: a step whose every optimizer step was skipped changed nothing)."""
 
     def __init__(self, generation: GenerationRounds, rollout_weights: Callable[[], ContextManager]):
         self.generation, self.engine, self.rollout_weights = generation, generation.engine, rollout_weights
+        self._version = 0  # the engine starts from the learner's weights before any optimizer step
 
     def submit(self, planned: PlannedStep) -> Wait:
         return lambda: self.generation.sample(planned.groups, planned.step, version=planned.version)
 
     def push(self, version: int) -> None:
-        self.engine.sync_weights(version)
+        if version != self._version:
+            self.engine.sync_weights(version)
+            self._version = version
 
     def weights_read(self) -> None:
         pass
