@@ -5,7 +5,7 @@
 On one real batch (the step benchmark's: B prompts of the demo's addition set, K rollouts each from exgrpo's own
 HFEngine, SmolLM2 with the demo's LoRA), one JSON line per variant, medians of R repeats after a warm-up:
 
-* "update/current": the trainer's own micro-batch path (`exgrpo.learner.policy.token_logprobs` with entropies, `mixed_policy_loss`,
+* "update/current": the trainer's own micro-batch path (`exgrpo.learner.forward.token_logprobs` with entropies, `mixed_policy_loss`,
   backward), split into forward and loss+backward; "update/current_entropy_bonus": the same with the default
   entropy_coef 0.001 (the step benchmark uses 0, as TRL does), so the entropy term is differentiated too.
 * "update/no_entropy": the same without computing token entropies in the training forward.
@@ -41,10 +41,10 @@ from exgrpo.data import load_questions  # noqa: E402
 from exgrpo.config import LoraConfig
 from exgrpo.models import apply_lora, load_policy  # noqa: E402
 from exgrpo.learner.objective import mixed_policy_loss  # noqa: E402
-from exgrpo.learner.policy import pack, token_logprobs  # noqa: E402
+from exgrpo.learner.forward import pack, token_logprobs  # noqa: E402
 from exgrpo.records import WARMUP  # noqa: E402
 from exgrpo.training.trainer import ExGRPOTrainer  # noqa: E402
-from exgrpo.learner.update import loss_settings  # noqa: E402
+from exgrpo.learner.learner import loss_settings  # noqa: E402
 
 DEMO_DATA = ("reasoning_gym:basic_arithmetic?size=64&seed=1&min_terms=2&max_terms=2&min_digits=1&max_digits=2"
              "&operators=+&allow_negation=false&allow_parentheses=false")
@@ -109,7 +109,7 @@ def bench_model(name: str, repeats: int) -> None:
             t1 = time.perf_counter()
             loss_of(logp, entropy, settings).backward()
             t2 = time.perf_counter()
-            trainer.update.optimizer.zero_grad(set_to_none=True)
+            trainer.learner.optimizer.zero_grad(set_to_none=True)
             return {"forward_s": t1 - t0, "loss_backward_s": t2 - t1, "total_s": t2 - t0}
 
         return median_times(once, repeats)

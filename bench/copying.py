@@ -23,7 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import exgrpo  # noqa: E402
 from exgrpo.rewards.graders import grade_math  # noqa: E402
 from exgrpo.rollout import SamplingSettings  # noqa: E402
-from exgrpo.training.run import build_run  # noqa: E402
+from exgrpo.training.launch import build_run  # noqa: E402
 from pilot import grpo_config  # noqa: E402
 
 

@@ -104,7 +104,7 @@ def step_times(settings: list[str], steps: int, gflops: dict) -> None:
 def eval_throughput(questions: int) -> None:
     from exgrpo.evaluation import EvalProtocol, evaluate_questions
     from exgrpo.evaluation.benchmarks import BENCHMARKS, load_benchmarks
-    from exgrpo.evaluation.run import build_eval_engine
+    from exgrpo.evaluation.evaluate import build_eval_engine
     from exgrpo.models import load_policy
     from exgrpo.rewards import GradingPool
 

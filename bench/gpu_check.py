@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from exgrpo.config import config_from_dict  # noqa: E402
 from exgrpo.data import Question  # noqa: E402
 from exgrpo.learner.objective import LossSettings  # noqa: E402
-from exgrpo.learner.policy import pack, token_logprobs  # noqa: E402
-from exgrpo.learner.update import PolicyUpdate  # noqa: E402
+from exgrpo.learner.forward import pack, token_logprobs  # noqa: E402
+from exgrpo.learner.learner import Learner  # noqa: E402
 from exgrpo.models import load_policy  # noqa: E402
 from exgrpo.rollout import HFEngine, SamplingSettings  # noqa: E402
 from exgrpo.runtime.distributed import Distributed  # noqa: E402
@@ -117,7 +117,7 @@ def qwen_shaped(device: torch.device, shape: dict, tokens: int, decode: tuple[in
                                          "activation_checkpointing": True, "logprob_chunk_tokens": 1024,
                                          "learning_rate": 1e-6}})
     model.config.use_cache = False
-    update = PolicyUpdate(model, config.train, group_size=8, temperature=1.0, dist=Distributed())
+    update = Learner(model, config.train, group_size=8, temperature=1.0, dist=Distributed())
     advantages = torch.tensor([0.5, -0.5] * 8)
     if device.type == "cuda":
         torch.cuda.synchronize()

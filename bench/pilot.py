@@ -27,7 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from exgrpo.config import load_config  # noqa: E402
 from exgrpo.training.generation import own_members  # noqa: E402
-from exgrpo.training.run import build_run  # noqa: E402
+from exgrpo.training.launch import build_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ARITHMETIC = "reasoning_gym:basic_arithmetic?min_terms={terms[0]}&max_terms={terms[1]}&min_digits={digits[0]}" \
@@ -79,12 +79,12 @@ def pilot(name: str) -> dict:
     run.close()
     final, best = evaluations[max(evaluations)], max(evaluations.values())
     # a question retired (solved K/K) has nothing left to revisit: it counts as drawn often enough
-    short = [i for i in trainer.experience.pool.questions if draws[i] < 4 and latest.get(i) != K]
+    short = [i for i in trainer.experience.question_pool.questions if draws[i] < 4 and latest.get(i) != K]
     summary = {"setting": name, "data.train": CANDIDATES[name], "steps_run": trainer.step,
                "heldout": {str(k): round(v, 3) for k, v in sorted(evaluations.items())},
                "mid_medium_share": round(mid_share[0], 3) if mid_share else None,
-               "fewest_draws": min(draws[i] for i in trainer.experience.pool.questions),
-               "drawn_under_4_unretired": len(short), "train_questions": len(trainer.experience.pool.questions),
+               "fewest_draws": min(draws[i] for i in trainer.experience.question_pool.questions),
+               "drawn_under_4_unretired": len(short), "train_questions": len(trainer.experience.question_pool.questions),
                "minutes": round((time.perf_counter() - start) / 60, 1)}
     summary["criteria"] = {"final_25_75": 0.25 <= final <= 0.75, "not_collapsed": final >= best - 0.10,
                            "mid_medium_third": bool(mid_share) and mid_share[0] >= 1 / 3, "drawn_4_times": not short}

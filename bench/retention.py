@@ -24,7 +24,7 @@ from exgrpo.evaluation.heldout import evaluate_accuracy  # noqa: E402
 from exgrpo.rollout import SamplingSettings  # noqa: E402
 from exgrpo.runtime.checkpoint import latest_intact_checkpoint, load_checkpoint, read_trainer_json  # noqa: E402
 from exgrpo.runtime.tracking import read_metrics  # noqa: E402
-from exgrpo.training.run import build_run  # noqa: E402
+from exgrpo.training.launch import build_run  # noqa: E402
 
 SAMPLES, SEED, MID_STEP = 4, 20261202, 20
 
@@ -54,8 +54,8 @@ def retention(run_dir: Path) -> dict:
     try:
         trainer = run.trainer
         trainer.load_state_dict(load_checkpoint(checkpoint, trainer.model))
-        trainer.engine.sync_weights(trainer.update.weights_version)
-        questions = [q for q in trainer.experience.pool.questions.values() if q.id in trainer.experience.solved]
+        trainer.source.push(trainer.learner.weights_version)
+        questions = [q for q in trainer.experience.question_pool.questions.values() if q.id in trainer.experience.solved]
         accuracy = evaluate_accuracy(trainer.engine, trainer.tokenizer, questions, trainer.scorer.reward_funcs,
                                      SamplingSettings.from_config(config.rollout, temperature=1.0), SAMPLES, SEED,
                                      config.reward.success_threshold, trainer.prompt_ids)
@@ -63,9 +63,9 @@ def retention(run_dir: Path) -> dict:
         run.close()
     still = sum(p > 0 for p in accuracy.per_question)
     return {"run": str(run_dir), "checkpoint": checkpoint.name, "ever_solved": len(questions),
-            "training_questions": len(trainer.experience.pool.questions), "still_solved": still,
+            "training_questions": len(trainer.experience.question_pool.questions), "still_solved": still,
             "retention": still / len(questions), "avg@4_on_ever_solved": accuracy.mean,
-            **criteria(run_dir, state, len(trainer.experience.pool.questions), config.rollout.num_generations)}
+            **criteria(run_dir, state, len(trainer.experience.question_pool.questions), config.rollout.num_generations)}
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from exgrpo.config import load_config
-from exgrpo.training.run import build_run
+from exgrpo.training.launch import build_run
 
 ARITHMETIC = "reasoning_gym:basic_arithmetic?min_terms={terms}&max_terms={terms}&min_digits={low}&max_digits={high}" \
              "&operators={ops}&allow_negation=false&allow_parentheses=false&size={size}&seed={seed}"

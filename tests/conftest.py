@@ -130,12 +130,15 @@ def kill_the_learner_only(process: subprocess.Popen) -> tuple[set[int], set[str]
 
 class ScriptedEngine:
     """A RolloutEngine whose completions come from `respond(prompt_ids, n) -> (completion ids, truncated)`, n being
-    how many times that prompt was asked for before. Records every call (count, sampling, seeds) and weight sync."""
+    how many times that prompt was asked for before. Records every call (count, sampling, seeds) and weight push.
+    It stands for an engine with a copy of the weights (the learner pushes into it)."""
+
+    holds_copy = True
 
     def __init__(self, respond: Callable[[list[int], int], tuple[list[int], bool]]):
         self.respond = respond
         self.calls: list[tuple] = []
-        self.syncs = 0
+        self.pushes: list[int] = []
         self._asked: Counter = Counter()
 
     def generate(self, prompt_ids, sampling, seeds) -> Rollouts:
@@ -149,8 +152,8 @@ class ScriptedEngine:
             truncated.append(cut)
         return Rollouts(completions, truncated)
 
-    def sync_weights(self, version: int = 0) -> None:
-        self.syncs += 1
+    def push_weights(self, version: int) -> None:
+        self.pushes.append(version)
 
 
 @pytest.fixture

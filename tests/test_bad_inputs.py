@@ -53,7 +53,7 @@ def _skipped_updates(tmp_path):
     trainer = _tiny_trainer(tmp_path, skip_grad_norm=1e-12)  # every gradient norm is "too large"
     before = [p.detach().clone() for p in trainer.model.parameters()]
     history = trainer.train()
-    assert trainer.update.skipped_updates == 2 and history[-1]["skipped_updates"] == 2.0
+    assert trainer.learner.skipped_updates == 2 and history[-1]["skipped_updates"] == 2.0
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
 
 
@@ -67,7 +67,7 @@ def _nan_reward_is_skipped_by_nansum(tmp_path):
 def _retired_pool_ends(tmp_path):
     trainer = _tiny_trainer(tmp_path, reward=lambda prompts, completions, **_: [1.0] * len(completions), steps=50)
     history = trainer.train()
-    assert len(history) == 2 and trainer.experience.pool.remaining == 0  # 8 questions, 4 per step, all solved K/K
+    assert len(history) == 2 and trainer.experience.question_pool.remaining == 0  # 8 questions, 4 per step, all solved K/K
 
 
 def _skip_invalid(tmp_path):

@@ -25,7 +25,7 @@ from exgrpo.runtime.signals import StopNow
 
 def _train(args, overrides) -> int:
     from exgrpo.config import read_yaml
-    from exgrpo.training.run import prepared_run
+    from exgrpo.training.launch import prepared_run
 
     if args.overwrite:
         overrides = overrides + ["logging.overwrite=true"]
@@ -58,8 +58,8 @@ def _note(message: str) -> None:
 def _demo(args, overrides) -> int:
     """Held-out accuracy before, ExGRPO training (with periodic held-out evaluation), after, a table and a report."""
     from exgrpo.studies.demo_report import before_after_rows, write_report
-    from exgrpo.studies.runner import mixed_phase_start
-    from exgrpo.training.run import prepared_run
+    from exgrpo.studies.study import mixed_phase_start
+    from exgrpo.training.launch import prepared_run
 
     console = Console()
     start = time.perf_counter()
@@ -97,7 +97,7 @@ def _demo(args, overrides) -> int:
 
 def _experiment(args) -> int:
     """Run (or resume) the runs of a multi-seed study, or write its report."""
-    from exgrpo.studies.runner import load_study, run_study
+    from exgrpo.studies.study import load_study, run_study
 
     study = load_study(args.study)
     if args.action == "run":
@@ -235,7 +235,7 @@ def _add_experiment_parser(sub) -> None:
                        description="Train every arm × seed of a study file (skipping complete runs, resuming "
                                    "interrupted ones), or write the study's plots and tables.")
     p.add_argument("action", choices=["run", "report"])
-    p.add_argument("study", help="study YAML (see exgrpo.studies.runner)")
+    p.add_argument("study", help="study YAML (see exgrpo.studies.study)")
     p.add_argument("--arms", nargs="+", metavar="ARM",
                    help="only these arms (report: the baseline and --main among them)")
     p.add_argument("--seeds", nargs="+", type=int, metavar="SEED", help="run: only these seeds")
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     if args.command == "eval":
         _check_eval_args(parser, args)
-        from exgrpo.evaluation.run import eval_command
+        from exgrpo.evaluation.evaluate import eval_command
 
         return eval_command(args, sys.argv[1:] if argv is None else argv)
     library_format = warnings.formatwarning

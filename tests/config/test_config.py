@@ -48,7 +48,7 @@ def test_every_shipped_config_loads_and_resumes_from_its_resolved_form(path):
 
 @pytest.mark.parametrize("path", sorted((ROOT / "experiments").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_study_file_builds_every_runs_config(path):
-    from exgrpo.studies.runner import load_study
+    from exgrpo.studies.study import load_study
 
     study = load_study(path)
     configs = [study.config(arm, seed) for arm in study.arms for seed in arm.seeds]

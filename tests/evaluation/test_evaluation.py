@@ -15,7 +15,7 @@ from exgrpo.errors import ExgrpoWarning
 from exgrpo.evaluation import (EvalProtocol, avg_at_k, benchmark_metrics, evaluate_accuracy, evaluate_questions,
                                extract_answer, grader_for, grading_text, mean_pass_at_k, pass_at_k, report_ks)
 from exgrpo.evaluation.benchmarks import BENCHMARKS, ENV_DATA, load_benchmarks, resolve_benchmarks
-from exgrpo.evaluation.run import group_averages, markdown_table
+from exgrpo.evaluation.evaluate import group_averages, markdown_table
 from exgrpo.rewards import GradingPool, MathReward
 from exgrpo.rollout import SamplingSettings, derive_seed
 

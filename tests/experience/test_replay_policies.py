@@ -98,7 +98,7 @@ def _trainer(policy, steps=6, **experience):
 def test_rlep_replays_a_stored_success_into_the_group_of_a_fresh_question():
     trainer = _trainer("rlep")
     trainer.experience.phase = MIXED
-    for q in trainer.experience.pool.questions.values():  # every question has a stored success
+    for q in trainer.experience.question_pool.questions.values():  # every question has a stored success
         trainer.experience.buffer.update_group(q.id, [True, False, False, False], [np.array([5, 6])] * K,
                                     [np.zeros(2, np.float32)] * K)
     metrics, _ = trainer.train_step()

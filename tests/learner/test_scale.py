@@ -11,11 +11,11 @@ from exgrpo.config import config_from_dict
 from exgrpo.data import PromptEncoder
 from exgrpo.runtime.distributed import Distributed
 from exgrpo.learner.objective import LossSettings, mixed_policy_loss
-from exgrpo.learner.policy import pack, token_logprobs
+from exgrpo.learner.forward import pack, token_logprobs
 from exgrpo.rollout import HFEngine, SamplingSettings
 from exgrpo.runtime.timing import StageTimer
 from exgrpo.training.trainer import ExGRPOTrainer
-from exgrpo.learner.update import PolicyUpdate, plan_micro_batches
+from exgrpo.learner.learner import Learner, plan_micro_batches
 
 
 def _batch(tokenizer, questions, completions):
@@ -58,7 +58,7 @@ def test_micro_batch_plan_respects_the_token_budget():
 def _update(model, **train):
     config = config_from_dict({"train": {"mini_batches": 1, "micro_batch_size": 64, "learning_rate": 1e-3,
                                          "steps": 2, **train}})
-    return PolicyUpdate(model, config.train, group_size=4, temperature=1.0, dist=Distributed())
+    return Learner(model, config.train, group_size=4, temperature=1.0, dist=Distributed())
 
 
 def test_token_budget_micro_batches_give_the_one_micro_batch_update(questions):
@@ -164,13 +164,13 @@ def test_long_prompts_are_dropped_with_a_warning(tiny_policy, questions, tmp_pat
     with pytest.warns(UserWarning, match="dropped 1 of 5 training questions whose prompt is longer than"):
         trainer = ExGRPOTrainer(model, tok, [lambda completions, **_: [0.0] * len(completions)], config,
                                 questions(4) + [long])
-    assert sorted(trainer.experience.pool.questions) == ["q0", "q1", "q2", "q3"]
+    assert sorted(trainer.experience.question_pool.questions) == ["q0", "q1", "q2", "q3"]
 
 
 def test_frozen_lora_base_cast_once_gives_autocasts_values():
     """The bf16 rollout's speed-up (one cast per rollout instead of one per decode step) changes no value."""
     from exgrpo.config import LoraConfig
-    from exgrpo.learner.update import frozen_linear_weights_as
+    from exgrpo.learner.learner import frozen_linear_weights_as
     from exgrpo.models import apply_lora, load_policy
 
     model = apply_lora(load_policy("tiny")[0], LoraConfig(r=4, alpha=8))

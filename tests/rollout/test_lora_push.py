@@ -11,7 +11,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from exgrpo.config import LoraConfig
 from exgrpo.models import apply_lora, load_policy
 from exgrpo.rollout.vllm import EngineError
-from exgrpo.rollout.weights import check_pushable, policy_weights
+from exgrpo.rollout.weights import check_pushable, pushed_weights
 
 
 def _randomise_adapters(model):
@@ -24,7 +24,7 @@ def _randomise_adapters(model):
 
 def _assert_pushes_peft_merge(model):
     check_pushable(model)
-    pushed = dict(policy_weights(model))
+    pushed = dict(pushed_weights(model))
     merged = copy.deepcopy(model).merge_and_unload().state_dict()
     assert set(pushed) == set(merged)
     for name, tensor in merged.items():

@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 from exgrpo.config import LoraConfig  # noqa: E402
 from exgrpo.data import PromptEncoder, Question  # noqa: E402
 from exgrpo.models import load_policy  # noqa: E402
-from exgrpo.learner.policy import pack, token_logprobs  # noqa: E402
+from exgrpo.learner.forward import pack, token_logprobs  # noqa: E402
 from exgrpo.rollout import SamplingSettings  # noqa: E402
 from exgrpo.rollout.vllm import EngineError, VLLMEngine  # noqa: E402
 
@@ -78,14 +78,14 @@ def test_full_weights_parity_before_and_after_a_sync(smollm2):
         assert len(many.completion_ids) == 100
         worst, _, before = _parity(model, tok, engine, prompts, seeds)
         assert worst <= 1e-4
-        engine.verify_weights()  # the engine holds the trainer's weights, read back exactly
+        engine.transport.confirm(0)  # the engine holds the trainer's weights, read back exactly
         _perturb(model, scale=1e-6)  # an update the size of one AdamW step at lr 1e-6
         with pytest.raises(EngineError, match="does not hold the trainer's weights: 1[0-9]+ of 1[0-9]+ checked"):
-            engine.verify_weights()
+            engine.transport.confirm(0)
         _perturb(model)
         stale, _, _ = _parity(model, tok, engine, prompts, seeds)
         assert stale > 1e-2 and engine.weights_version == 0  # the old weights, and the engine says so
-        engine.sync_weights(1)
+        engine.push_weights(1)
         worst, _, after = _parity(model, tok, engine, prompts, seeds)
         assert worst <= 1e-4 and engine.weights_version == 1  # a version is reported only once it is pushed
         assert after != before  # the sync really changed what the engine samples (same seeds)
@@ -109,7 +109,7 @@ def test_lora_is_pushed_merged_and_the_trainer_base_is_never_modified():
     try:
         assert _parity(model, tok, engine, prompts, seeds)[0] <= 1e-4
         _perturb(model, 0.05)  # the adapter only: the base is frozen
-        engine.sync_weights()
+        engine.push_weights(1)
         assert _parity(model, tok, engine, prompts, seeds)[0] <= 1e-4
     finally:
         engine.close()

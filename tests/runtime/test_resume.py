@@ -14,7 +14,7 @@ from conftest import run_cli
 from exgrpo.runtime.checkpoint import checkpoint_dirs, latest_checkpoint
 from exgrpo.config import load_config
 from exgrpo.experience import ExperienceBuffer
-from exgrpo.training.run import build_run
+from exgrpo.training.launch import build_run
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}  # for toy_rewards

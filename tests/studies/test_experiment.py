@@ -13,7 +13,7 @@ import pytest
 from conftest import run_cli
 
 from exgrpo.config import ConfigError
-from exgrpo.studies.runner import completed_steps, load_results, load_study, run_study
+from exgrpo.studies.study import completed_steps, load_results, load_study, run_study
 
 ROOT = Path(__file__).resolve().parents[2]
 

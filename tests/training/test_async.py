@@ -11,7 +11,7 @@ import torch
 
 from exgrpo.config import ConfigError, config_from_dict
 from exgrpo.errors import EngineError
-from exgrpo.learner.policy import pack, token_logprobs
+from exgrpo.learner.forward import pack, token_logprobs
 from exgrpo.models import load_policy
 from exgrpo.records import MIXED, WARMUP
 from exgrpo.rollout import HFEngine, Rollouts
@@ -24,6 +24,8 @@ from test_trainer import _questions, first_char_reward
 class CopyEngine:
     """Samples with transformers from its own copy of the policy and reports that copy's log-probs of the tokens
     it sampled; `push_weights` copies the learner's weights in. Optionally dies or forgets to push."""
+
+    holds_copy = True
 
     def __init__(self, model, tokenizer, die_at_call: int | None = None, pushes: bool = True):
         self.learner, self.copy, self.tokenizer = model, copy.deepcopy(model), tokenizer
@@ -42,9 +44,6 @@ class CopyEngine:
         self.log.append(("generate", self.weights_version))
         return Rollouts(out.completion_ids, out.truncated, [logp[i, :len(c)].tolist()
                                                              for i, c in enumerate(out.completion_ids)])
-
-    def sync_weights(self, version: int = 0) -> None:
-        self.push_weights(version)
 
     def push_weights(self, version: int) -> None:
         if self.pushes:
@@ -191,8 +190,9 @@ def test_a_dead_engine_stops_the_run_with_a_clear_error_and_keeps_the_last_check
     assert latest_intact_checkpoint("run").name == "step-000002"
 
 
-def test_a_push_that_did_not_happen_is_caught_by_the_version_check():
-    trainer = _trainer(_config(staleness=1, steps=4), pushes=False)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_push_that_did_not_happen_is_caught_by_the_version_check(mode):
+    trainer = _trainer(_config(mode, steps=4), pushes=False)
     with pytest.raises(EngineError, match="sampled from weights version 0, but the learner is at version 1"):
         trainer.train()
 
@@ -211,7 +211,7 @@ def test_the_engine_versions_match_the_learner_after_every_push():
     trainer = _trainer(_config(staleness=1, steps=4))
     trainer.train()
     pushes = [v for kind, v in trainer.engine.log if kind == "push"]
-    assert pushes == [1, 2, 3, 4] and trainer.engine.weights_version == trainer.update.weights_version
+    assert pushes == [1, 2, 3, 4] and trainer.engine.weights_version == trainer.learner.weights_version
     assert np.allclose([p.detach().sum() for p in trainer.engine.copy.parameters()],
                        [p.detach().sum() for p in trainer.model.parameters()])
 

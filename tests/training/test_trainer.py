@@ -82,7 +82,7 @@ def test_warmup_switch_collection_and_replay(tmp_path):
 def test_entropy_of_replayed_and_fresh_correct_trajectories():
     import copy
 
-    from exgrpo.learner.policy import token_logprobs
+    from exgrpo.learner.forward import token_logprobs
 
     trainer = _trainer(_config(train={"mini_batches": 1}))  # one mini-batch: the forward is the pre-update policy
     for _ in range(3):
@@ -189,7 +189,7 @@ def test_pool_exhaustion_ends_cleanly():
 
     trainer = _trainer(_config(train={"steps": 10}), reward=always_right, questions=_questions(8))
     history = trainer.train()
-    assert len(history) == 1 and trainer.experience.pool.remaining == 0
+    assert len(history) == 1 and trainer.experience.question_pool.remaining == 0
 
 
 def test_tiny_model_learns_a_rewarded_behaviour():
@@ -215,7 +215,7 @@ def test_same_seed_same_run_bit_for_bit():
 
 def test_shared_prompt_forward_matches_the_full_forward():
     """Rows sharing a prompt run it once; log-probs, entropies and gradients equal a full forward per row."""
-    from exgrpo.learner.policy import pack, token_logprobs
+    from exgrpo.learner.forward import pack, token_logprobs
 
     trainer = _trainer(_config())
     prompts = [trainer.prompt_ids(q) for q in _questions(12)[::5]]  # "q 10" is longer: left padding differs
@@ -244,7 +244,7 @@ def test_one_mixed_step_against_hand_computed_advantages_and_loss(tiny_policy, s
     below the current policy's (so w = 3 on each of its tokens), plus one fresh rollout "zz<eos>"; q1 gets two fresh
     rollouts, "zzz<eos>" and "aaaa" (truncated). The reward is 1 for a completion starting with "a"."""
     from exgrpo.data import PromptEncoder
-    from exgrpo.learner.policy import pack, token_logprobs
+    from exgrpo.learner.forward import pack, token_logprobs
 
     model, tok = tiny_policy
     eos = tok.eos_token_id
@@ -275,10 +275,10 @@ def test_one_mixed_step_against_hand_computed_advantages_and_loss(tiny_policy, s
     trainer.experience.buffer.update_group("q0", [True, False], [np.array(replay_ids), np.array(encode("x"))],
                                 [recorded, np.zeros(1, np.float32)])
     trainer.experience.phase = MIXED
-    state = trainer.experience.pool.state_dict()
-    if trainer.experience.pool.draw(1)[0].id != "q1":  # make q1 the next fresh question
-        state = trainer.experience.pool.state_dict()
-    trainer.experience.pool.load_state_dict(state)
+    state = trainer.experience.question_pool.state_dict()
+    if trainer.experience.question_pool.draw(1)[0].id != "q1":  # make q1 the next fresh question
+        state = trainer.experience.question_pool.state_dict()
+    trainer.experience.question_pool.load_state_dict(state)
     behaviour_q1 = current_logp("q1", encode("aaaa"))
 
     metrics, _ = trainer.train_step()
@@ -296,7 +296,7 @@ def test_one_mixed_step_against_hand_computed_advantages_and_loss(tiny_policy, s
     assert metrics["replay/shaped_weight_mean"] == pytest.approx(3 / 3.1, rel=1e-4)
     assert metrics["ratio/mean"] == 1.0 and metrics["reward"] == 0.5 and metrics["reward_std"] == 0.5
     assert metrics["experience/replayed"] == 1 and metrics["completions/clipped_ratio"] == pytest.approx(1 / 3)
-    assert engine.syncs == 1
+    assert engine.pushes == [1]
     # collection: q1 (1 of 2 correct) is stored with its pre-update log-probs; q0's replay is not stored twice
     assert trainer.experience.buffer.bucket_of("q1") == 1 and len(trainer.experience.buffer.trajectories("q0")) == 1
     (stored,) = trainer.experience.buffer.trajectories("q1")

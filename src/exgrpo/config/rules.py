@@ -11,7 +11,7 @@ from exgrpo.errors import ConfigError
 # Every `cfg` below is an ExGRPOConfig; it is not imported here because the schema validates itself with these rules.
 
 #: Refusals of rollout.mode async that depend on the engine or the launch, not on the config alone: made before the
-#: model loads for a run built from its config (training/run.py), and by the trainer for an engine passed to it.
+#: model loads for a run built from its config (training/launch.py), and by the trainer for an engine passed to it.
 ASYNC_NEEDS_ITS_OWN_ENGINE = ("rollout.mode async needs an engine with its own copy of the weights (rollout.engine "
                               "vllm): the hf engine samples from the weights the learner is updating")
 ASYNC_IN_ONE_PROCESS = "rollout.mode async runs in one process for now: use rollout.mode sync under torchrun"
@@ -117,6 +117,9 @@ def _rollout_rules(cfg, given: set[str]):
     yield ro.kv_cache_gb is None or ro.kv_cache_gb > 0, \
         f"rollout.kv_cache_gb must be null or > 0 (got {ro.kv_cache_gb})"
     yield _positive("rollout.sync_timeout", ro.sync_timeout)
+    yield _positive("rollout.generation_timeout", ro.generation_timeout)
+    yield ro.mode == "async" or not _set_any(given, "rollout.generation_timeout"), \
+        "rollout.generation_timeout applies to rollout.mode async only"
     yield _at_least("rollout.parity_every", ro.parity_every, 0)
     yield ro.parity_threshold is None or ro.parity_threshold > 0, \
         f"rollout.parity_threshold must be null or > 0 (got {ro.parity_threshold})"
@@ -277,7 +280,7 @@ RESUMABLE_CHANGES = ("train.steps", "train.save_every", "train.save_total_limit"
                      "train.max_tokens_per_micro_batch", "train.logprob_chunk_tokens", "train.activation_checkpointing",
                      "train.sharding",
                      "rollout.generation_batch_size", "rollout.gpu_memory_utilization", "rollout.kv_cache_gb",
-                     "rollout.sync_timeout", "rollout.parity_every", "rollout.parity_threshold",
+                     "rollout.sync_timeout", "rollout.generation_timeout", "rollout.parity_every", "rollout.parity_threshold",
                      "experience.selection_batch_size", "reward.workers",
                      "reward.timeout", "eval.", "logging.")
 

@@ -93,9 +93,11 @@ class RolloutConfig:
     kv_cache_gb: float | None = None
     """vllm on CPU: KV-cache memory in GiB; null: room for generation_batch_size full-length sequences."""
     sync_timeout: float = 120.0
-    """vllm: seconds a weight push may take before the run stops with an error. In rollout.mode async it bounds
-    every wait on the engine: a push, a step's rollouts, and a whole held-out evaluation (set it above the longest
-    of them)."""
+    """vllm: seconds one weight push into the engine may take before the run stops with an error."""
+    generation_timeout: float = 3600.0
+    """async: seconds the learner waits for any one result of the rollout worker (a step's rollouts, a whole
+    held-out evaluation, or a push queued behind them) before the run stops with an error: set it above the
+    longest of them."""
     parity_every: int = 1
     """vllm: every N steps compare the engine's sampling log-probs with the trainer's on the same tokens (logged
     as rollout/logp_diff_*); 0 never."""

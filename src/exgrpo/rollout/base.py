@@ -2,8 +2,8 @@
 
 The trainer talks to an engine through `RolloutEngine.generate`, which takes token ids and returns token ids (and,
 for engines that report them, the log-probs of the sampled tokens). Engines: `hf` (transformers `generate` on the
-training model itself, `exgrpo.rollout.hf`) and `vllm` (an in-process vLLM engine whose weights are synced after
-every optimizer step, `exgrpo.rollout.vllm`). Log-probs for the loss come from the training model's own forward
+training model itself, `exgrpo.rollout.hf`) and `vllm` (a vLLM engine holding a copy of the weights, pushed into it
+after every update, `exgrpo.rollout.vllm`). Log-probs for the loss come from the training model's own forward
 pass (as released); the engine's are used to check the sync and to correct for engine mismatch.
 """
 
@@ -45,6 +45,10 @@ class Rollouts:
 
 
 class RolloutEngine(Protocol):
+    holds_copy: bool
+    """True: the engine samples from a copy of the weights that `push_weights` reloads; False: it samples with the
+    training model itself (under the learner's rollout weights: full, in the compute precision)."""
+
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingSettings,
                  seeds: Sequence[int]) -> Rollouts:
         """Sample one completion per prompt, the i-th from the random stream seeded by seeds[i].
@@ -54,10 +58,11 @@ class RolloutEngine(Protocol):
         """
         ...
 
-    def sync_weights(self, version: int = 0) -> None:
-        """Called after an update that changed the weights and after a resume: the trainer's weights are now at
-        `version` (applied optimizer steps). An engine holding its own copy reloads it and reports the version it
-        holds as `weights_version`, which the generation stage checks against the learner's."""
+    def push_weights(self, version: int) -> None:
+        """Load the learner's current weights, now at `version` (applied optimizer steps), before returning. The
+        rollout source calls it after every update that changed the weights and after a resume. An engine holding
+        a copy reports the version it holds as `weights_version`, which the generation stage checks against the
+        learner's."""
         ...
 
     def close(self) -> None:

@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from exgrpo.learner.policy import distinct_rows
+from exgrpo.learner.forward import distinct_rows
 from exgrpo.rollout.base import Rollouts, SamplingSettings
 
 
@@ -41,6 +41,8 @@ class PerRowSampler(LogitsProcessor):
 class HFEngine:
     """Batched sampling with transformers' `generate` on the training model itself (left padding, stop at EOS)."""
 
+    holds_copy = False
+
     def __init__(self, model, tokenizer, batch_size: int = 256):
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer needs a pad token for batched generation")
@@ -48,7 +50,7 @@ class HFEngine:
         eos = tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
 
-    def sync_weights(self, version: int = 0) -> None:  # generates with the live training weights
+    def push_weights(self, version: int) -> None:  # generates with the live training weights
         pass
 
     def close(self) -> None:

@@ -1,7 +1,7 @@
 """The parity probe: the engine's log-probs of what it sampled against the trainer's pre-update log-probs of the
 same tokens. It catches gross errors (a model or tokenizer mismatch, a LoRA adapter not applied, a dtype or kernel
 problem); a weight sync that did not happen is caught exactly by the engine's own weight check
-(`VLLMEngine.verify_weights`), which does not depend on how far one update moves the log-probs."""
+(`InProcessReload.confirm` in `exgrpo.rollout.transports`), which does not depend on how far one update moves the log-probs."""
 
 from __future__ import annotations
 

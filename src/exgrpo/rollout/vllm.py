@@ -5,10 +5,11 @@ Every vLLM-version-specific call lives in this module; it is tested with vLLM 0.
 
 * `VLLM_ENABLE_V1_MULTIPROCESSING=0` (sync mode): the engine runs in this process, so weights are pushed without
   copies through another process, and `collective_rpc` calls the worker directly.
-* Weights are pushed with the worker's `reload_weights(weights_iterator=..., is_checkpoint_format=True)`, which
-  runs the model's own `load_weights` (it fuses q/k/v and gate/up itself, handles tied embeddings) and re-creates
-  the CPU GEMM handles; a plain `load_weights` or `param.copy_` is not enough on the CPU backend. The prefix cache
-  is reset after a push: it is keyed by token ids, not weights.
+* Weights are pushed by one of two transports chosen when the engine is built (`exgrpo.rollout.transports`): in
+  process, the worker's `reload_weights(weights_iterator=..., is_checkpoint_format=True)`, which runs the model's
+  own `load_weights` (it fuses q/k/v and gate/up itself, handles tied embeddings) and re-creates the CPU GEMM
+  handles (a plain `load_weights` or `param.copy_` is not enough on the CPU backend). The prefix cache is reset
+  after a push: it is keyed by token ids, not weights.
 * LoRA is pushed merged: W + scale * B @ A computed out of place per adapted layer, so the trainer's frozen base is
   never modified (an in-place merge/unmerge drifts it by rounding).
 * `logprobs_mode="processed_logprobs"`: the log-probs of the distribution actually sampled (after temperature),
@@ -24,19 +25,16 @@ Every vLLM-version-specific call lives in this module; it is tested with vLLM 0.
   `distributed_executor_backend="external_launcher"` (as TRL's colocate mode and verl do), which takes RANK and
   LOCAL_RANK from the environment and joins the trainer's process group: vLLM's default uni-process executor would
   put every rank's engine on device 0. The engine's rank and device are checked after it is built, and the push
-  thread is pinned to the rank's device. Under FSDP the push runs while the trainer's weights are gathered for the
-  rollout, so each engine receives full tensors.
+  thread is pinned to the rank's device. Under FSDP the rollout source gathers the trainer's weights around the
+  push, so each engine receives full tensors.
 
 With `engine_process=True` (rollout.mode async, CPU) the engine runs in processes of its own
-(`VLLM_ENABLE_V1_MULTIPROCESSING=1`: vLLM's engine core and, on CPU, a spawned worker): weights are pushed through
-vLLM's weight-transfer interface (`init_weight_transfer_engine`, `start_weight_update`, `update_weights`,
-`finish_weight_update`) with a CPU backend of ours registered in the worker (`exgrpo.rollout.weight_transfer`), the
-engine confirms it loaded every parameter and reports the pushed version (`get_weight_version`), and a watcher
-fails calls still waiting on an engine process that died (vLLM 0.32 leaves them blocked).
+(`VLLM_ENABLE_V1_MULTIPROCESSING=1`: vLLM's engine core and, on CPU, a spawned worker) and the weights go through
+vLLM's weight-transfer interface to a CPU backend of ours (`SharedMemoryPush`).
 
-The sync is lazy: `sync_weights` (after every optimizer step and after a resume) marks the copy stale and the next
-`generate` pushes the weights once, so M mini-batches cost one push. A push that takes longer than `sync_timeout`
-seconds is an error, never a hang.
+`push_weights(version)` is the one way weights arrive: the rollout source calls it after every update that changed
+the weights and after a resume, and it returns once the engine holds them (confirmed) and reports `version` as
+`weights_version`. A push that takes longer than `sync_timeout` seconds is an error, never a hang.
 """
 
 from __future__ import annotations
@@ -58,7 +56,8 @@ import torch
 
 from exgrpo.errors import EngineError
 from exgrpo.rollout.base import Rollouts, SamplingSettings
-from exgrpo.rollout.weights import check_engine_holds, check_pushable, fused_slots, policy_weights
+from exgrpo.rollout.transports import InProcessReload, SharedMemoryPush
+from exgrpo.rollout.weights import check_pushable, pushed_weights
 from exgrpo.runtime.scratch import owned_temp_dir
 
 SUPPORTED_VERSIONS = ">=0.32,<0.33"
@@ -140,6 +139,8 @@ class VLLMEngine:
             interface (`exgrpo.rollout.weight_transfer`); CPU only. For rollout.mode async.
     """
 
+    holds_copy = True
+
     def __init__(self, model, tokenizer, *, dtype: str = "float32", max_model_len: int | None = None,
                  max_num_seqs: int = 256, seed: int = 0, gpu_memory_utilization: float = 0.5,
                  kv_cache_gb: float | None = None, sync_timeout: float = 120.0, engine_process: bool = False):
@@ -153,9 +154,7 @@ class VLLMEngine:
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         launched = torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1
-        self._dir, self._shm_dir = owned_temp_dir("exgrpo-vllm-"), None
-        self._stale, self._wanted_version, self.weights_version = False, 0, 0
-        self._slots: dict | None = None
+        self._dir, self.transport, self.weights_version = owned_temp_dir("exgrpo-vllm-"), None, 0
         try:
             config = self._write_model()
             limit = getattr(config, "max_position_embeddings", None) or 4096
@@ -168,8 +167,8 @@ class VLLMEngine:
             os.unlink(os.path.join(self._dir, "model.safetensors"))  # loaded: a model-sized copy less on disk
             if launched:
                 self._check_placement()
-            if engine_process:
-                self._start_transfer()
+            self.transport = SharedMemoryPush(self.llm, model) if engine_process \
+                else InProcessReload(self.llm, model, self.device)
             self._check_runs()
         except BaseException:
             self.close()
@@ -205,7 +204,7 @@ class VLLMEngine:
         from safetensors.torch import save_file
 
         tensors, seen = {}, set()
-        for name, tensor in policy_weights(self.model):
+        for name, tensor in pushed_weights(self.model):
             if tensor.data_ptr() not in seen:  # a tied alias is written once; the config says it is tied
                 seen.add(tensor.data_ptr())
                 tensors[name] = tensor.contiguous().cpu()
@@ -232,16 +231,22 @@ class VLLMEngine:
         except RuntimeError as e:
             raise EngineError(f"vLLM cannot run this model: {str(e).splitlines()[0][:300]}") from None
 
-    def sync_weights(self, version: int = 0) -> None:
-        self._stale, self._wanted_version = True, version
-
     def push_weights(self, version: int) -> None:
-        """Load the policy's current weights now, not at the next generate (rollout.mode async: the worker thread
-        pushes between generations while the learner waits for the push before changing the weights)."""
-        self.sync_weights(version)
+        """Load the policy's current weights, at `version`, through the transport (`rollout.sync_timeout` at most)
+        and confirm the engine holds them. On CUDA the engine stays awake: it samples next, then sleeps."""
         self._wake()
-        self._push()
-        self._sleep()
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        try:
+            with torch.no_grad():
+                pool.submit(self.transport.push, version).result(timeout=self.sync_timeout)
+        except concurrent.futures.TimeoutError:
+            raise EngineError(f"pushing the weights into vLLM took longer than rollout.sync_timeout = "
+                              f"{self.sync_timeout:g} s") from None
+        finally:
+            pool.shutdown(wait=False)
+        self.llm.reset_prefix_cache()  # keyed by token ids, not weights
+        self.transport.confirm(version)
+        self.weights_version = version
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingSettings,
                  seeds: Sequence[int]) -> Rollouts:
@@ -257,8 +262,6 @@ class VLLMEngine:
             raise EngineError(f"a prompt of {too_long[0]} tokens + {sampling.max_new_tokens} new tokens exceeds the "
                               f"engine's max_model_len {self.max_model_len} (rollout.max_model_len)")
         self._wake()
-        if self._stale:
-            self._push()
         params = [SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
                                  top_k=sampling.top_k or 0, max_tokens=sampling.max_new_tokens, seed=int(seed),
                                  logprobs=0, detokenize=False, stop_token_ids=self.eos_ids) for seed in seeds]
@@ -277,76 +280,6 @@ class VLLMEngine:
             logprobs.append([step[token].logprob for step, token in zip(c.logprobs, ids)])
         return Rollouts(completions, truncated, logprobs)
 
-    def _push(self) -> None:
-        """Copy the policy's current weights into the engine (one push, `sync_timeout` at most)."""
-        def push():
-            if self.engine_process:
-                self._push_over_transfer()
-            else:
-                if self.cuda:  # a new thread starts on device 0
-                    torch.cuda.set_device(self.device)
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(self.model),
-                                                                  "is_checkpoint_format": True})
-            self.llm.reset_prefix_cache()
-
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-        try:
-            with torch.no_grad():
-                pool.submit(push).result(timeout=self.sync_timeout)
-        except concurrent.futures.TimeoutError:
-            raise EngineError(f"pushing the weights into vLLM took longer than rollout.sync_timeout = "
-                              f"{self.sync_timeout:g} s") from None
-        finally:
-            pool.shutdown(wait=False)
-        if not self.engine_process:  # in its own process the engine checks that it loaded every weight
-            self.verify_weights()
-        self._stale, self.weights_version = False, self._wanted_version
-
-    def _start_transfer(self) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-
-        self._shm_dir = owned_temp_dir("exgrpo-weights-", "/dev/shm" if os.path.isdir("/dev/shm") else None)
-        self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
-        self.llm.collective_rpc("exgrpo_exit_with", args=(os.getpid(),))
-        _fail_waiting_calls_when_the_engine_dies(self.llm)
-
-    def _push_over_transfer(self) -> None:
-        """The engine in its own process: the weights go as one file in shared memory through vLLM's
-        start/update/finish_weight_update, labelled with their version, which is read back."""
-        from safetensors.torch import save_file
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        tensors, seen = {}, set()
-        for name, tensor in policy_weights(self.model):  # tied aliases too: vLLM loads lm_head by that name
-            tensors[name] = tensor.detach().clone() if tensor.data_ptr() in seen else tensor.detach().contiguous()
-            seen.add(tensor.data_ptr())
-        path = os.path.join(self._shm_dir, "weights.safetensors")  # safetensors writes a .tmp file beside it first
-        try:
-            save_file(tensors, path)
-            del tensors
-            self.llm.start_weight_update()
-            self.llm.update_weights(WeightTransferUpdateRequest(update_info={"path": path}))
-            self.llm.finish_weight_update()
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        missing = self.llm.collective_rpc("exgrpo_missing_weights")[0]
-        if missing:
-            raise EngineError(f"the weight push did not load {len(missing)} engine parameters (e.g. "
-                              f"{', '.join(missing[:3])}): the engine would sample from old weights")
-        self.llm.update_weight_version(str(self._wanted_version))
-        if self.llm.get_weight_version() != str(self._wanted_version):
-            raise EngineError(f"the vLLM engine reports weights version {self.llm.get_weight_version()!r} after "
-                              f"the push of version {self._wanted_version}")
-
-    def verify_weights(self) -> None:
-        """The engine must hold exactly the policy's weights (`check_engine_holds`); checked after every push, so a
-        push that loaded nothing, or part of the weights, stops the run however small the update."""
-        engine = self.llm.collective_rpc(_worker_model)[0]
-        if self._slots is None:  # the engine's layout never changes: mapped at the first check
-            self._slots = fused_slots(engine)
-        check_engine_holds(engine, self.model, self._slots)
-
     def _wake(self) -> None:
         if self.cuda:
             self.llm.wake_up()
@@ -362,40 +295,8 @@ class VLLMEngine:
             del self.llm
             gc.collect()
         shutil.rmtree(self._dir, ignore_errors=True)
-        if self._shm_dir:
-            shutil.rmtree(self._shm_dir, ignore_errors=True)
-
-
-def _fail_waiting_calls_when_the_engine_dies(llm) -> None:
-    """vLLM 0.32's client notices a dead engine process (kill -9, out of memory) but leaves a caller already
-    waiting in `generate` or a utility call blocked for good: a watcher thread says so on stderr at once and fails
-    those calls instead."""
-    import threading
-    import time
-
-    from vllm.v1.engine.exceptions import EngineDeadError
-
-    core = llm.llm_engine.engine_core
-
-    def watch():
-        while not core.resources.engine_dead:
-            if not core._finalizer.alive:  # shut down on purpose
-                return
-            time.sleep(0.2)
-        # said at once, whatever the learner is doing; the run stops at its next call on the engine
-        os.write(2, b"exgrpo: error: the vLLM engine process died; the run stops at its next call on the engine "
-                    b"(the last checkpoint is intact; --resume continues from it)\n")
-        core.outputs_queue.put_nowait(EngineDeadError())
-        for future in list(core.utility_results.values()):
-            if not future.done():
-                future.set_exception(EngineDeadError())
-
-    threading.Thread(target=watch, name="exgrpo-vllm-death-watch", daemon=True).start()
-
-
-def _worker_model(worker):
-    """Run inside the engine's worker (`collective_rpc`): its model, in this process."""
-    return worker.model_runner.get_model()
+        if self.transport is not None:
+            self.transport.close()
 
 
 def _worker_placement(worker) -> dict:

@@ -1,6 +1,6 @@
 """The policy's weights as an engine loads them, and the check that an engine holds them exactly.
 
-`policy_weights` streams the trainer's weights under the base model's names with LoRA merged in (what a push
+`pushed_weights` streams the trainer's weights under the base model's names with LoRA merged in (what a push
 sends); `check_pushable` refuses adapters that cannot be merged so; `check_engine_holds` reads a vLLM model's
 weights back and compares them with the policy's, bit for bit.
 """
@@ -14,7 +14,7 @@ import torch
 from exgrpo.errors import EngineError
 
 
-def policy_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+def pushed_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     """The policy's weights under the base model's names, LoRA adapters merged in out of place.
 
     Tied aliases are included (`remove_duplicate=False`): without the tied `lm_head.weight`, vLLM's reload left
@@ -59,7 +59,7 @@ def fused_slots(engine) -> dict[str, tuple[str, int, int]]:
 
 
 def check_pushable(model) -> None:
-    """Refuse, with the reason, a peft model whose adapters `policy_weights` cannot merge into plain weights: only
+    """Refuse, with the reason, a peft model whose adapters `pushed_weights` cannot merge into plain weights: only
     LoRA on linear layers is pushed (fan_in_fan_out included). DoRA rescales the merged weight, modules_to_save
     keeps a trained copy under another name, and LoRA on other layers (embeddings, convolutions) is not merged:
     the engine would sample from stale weights while vLLM only warns about the names it did not load."""
@@ -88,7 +88,7 @@ def check_engine_holds(engine, model, slots: dict[str, tuple[str, int, int]]) ->
     backend keeps a linear layer's weight packed in its GEMM handle (the parameter is empty), columns of it are
     read back exactly by multiplying unit vectors through that handle."""
     held, pending, differ, checked = dict(engine.named_parameters()), {}, [], 0
-    for policy_name, tensor in policy_weights(model):  # streamed: one fused group held at a time
+    for policy_name, tensor in pushed_weights(model):  # streamed: one fused group held at a time
         if policy_name not in slots:
             continue
         name, i, n = slots[policy_name]

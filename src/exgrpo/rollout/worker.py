@@ -73,7 +73,7 @@ class RolloutWorker:
             return future.result(timeout=self.timeout)
         except concurrent.futures.TimeoutError:
             raise EngineError(f"the rollout engine gave no {what} within {self.timeout:g} s "
-                              "(rollout.sync_timeout): it is hung or far too slow") from None
+                              "(rollout.generation_timeout): it is hung or far too slow") from None
         except EngineError:
             raise
         except Exception as e:
@@ -142,7 +142,9 @@ class _Queued:
     def generate(self, prompt_ids, sampling, seeds) -> Rollouts:
         return self.worker.wait(self.worker.generate(prompt_ids, sampling, seeds), self.what).rollouts
 
-    def sync_weights(self, version: int = 0) -> None:
+    holds_copy = True
+
+    def push_weights(self, version: int) -> None:
         raise EngineError("weights reach an asynchronous engine through RolloutWorker.push")
 
     def close(self) -> None:

@@ -1,4 +1,4 @@
-"""The report of a multi-seed study (exgrpo.studies.runner): PNG plots and markdown tables, mean ± std over seeds."""
+"""The report of a multi-seed study (exgrpo.studies.study): PNG plots and markdown tables, mean ± std over seeds."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from exgrpo.studies.runner import RunResult, Study, load_results, mixed_phase_start  # noqa: E402
+from exgrpo.studies.study import RunResult, Study, load_results, mixed_phase_start  # noqa: E402
 from exgrpo.studies.statistics import paired_difference, t_interval, verdict  # noqa: E402
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from exgrpo.studies.runner import RunResult
+from exgrpo.studies.study import RunResult
 
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}  # Student t
 

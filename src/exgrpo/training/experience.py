@@ -59,7 +59,7 @@ class Experience:
         c, e = config, config.experience
         self.config, self.prompt_ids, self.score, self.K = c, prompt_ids, score, c.rollout.num_generations
         self.buffer = ExperienceBuffer.from_config(e, self.K)
-        self.pool = QuestionPool(questions, c.train.seed, retirement=self.buffer)
+        self.question_pool = QuestionPool(questions, c.train.seed, retirement=self.buffer)
         self.guidance = Guidance.from_config(c.guidance, questions, tokenizer, c.rollout.max_completion_length)
         self.replay_policy = replay_policy_from_config(e, self.buffer, self.K)
         self.solved: set[str] = set()  # questions with a correct rollout of the policy's own (coverage, guidance)
@@ -73,7 +73,7 @@ class Experience:
         rng = np.random.default_rng([c.train.seed, step])
         with timer("buffer"):
             experiential = self.sample_experiential(rng, step, exclude=in_flight) if self.phase == MIXED else []
-        fresh = self.pool.draw(c.train.prompts_per_step - len(experiential), exclude=in_flight)
+        fresh = self.question_pool.draw(c.train.prompts_per_step - len(experiential), exclude=in_flight)
         groups = self.build_groups(experiential, fresh, self.phase, rng, timer, step)
         return PlannedStep(step, self.phase, groups, version, rng)
 
@@ -84,7 +84,7 @@ class Experience:
         c = self.config
         if n is None:
             n = num_experiential(c.train.prompts_per_step, c.train.prompts_per_step, c.experience.ratio)
-        return [self.pool.questions[qid] for qid in self.replay_policy.experiential(n, rng, step, exclude)]
+        return [self.question_pool.questions[qid] for qid in self.replay_policy.experiential(n, rng, step, exclude)]
 
     def build_groups(self, experiential: list[Question], fresh: list[Question], phase: str,
                      rng: np.random.Generator, timer: StageTimer, step: int) -> list[Group]:
@@ -129,7 +129,7 @@ class Experience:
         experiential = []
         if self.config.rollout.zero_variance == "replace_from_buffer" and planned.phase == MIXED:
             experiential = self.sample_experiential(planned.rng, planned.step, n, asked)
-        return self.build_groups(experiential, self.pool.draw(n - len(experiential)), planned.phase, planned.rng,
+        return self.build_groups(experiential, self.question_pool.draw(n - len(experiential)), planned.phase, planned.rng,
                                  timer, planned.step)
 
     def collect(self, groups: list[Group], correct: np.ndarray, lengths: list[int], behaviour_logp: torch.Tensor,
@@ -159,13 +159,13 @@ class Experience:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """{"trainer": the JSON-able part, "buffer": the buffer's state}."""
-        return {"trainer": {"phase": self.phase, "pool": self.pool.state_dict(),
+        return {"trainer": {"phase": self.phase, "pool": self.question_pool.state_dict(),
                             "replay_policy": self.replay_policy.state_dict(), "solved": sorted(self.solved)},
                 "buffer": self.buffer.state_dict()}
 
     def load_state_dict(self, trainer: dict, buffer: dict) -> None:
         self.buffer.load_state_dict(buffer)
         self.phase = trainer["phase"]
-        self.pool.load_state_dict(trainer["pool"])
+        self.question_pool.load_state_dict(trainer["pool"])
         self.replay_policy.load_state_dict(trainer.get("replay_policy", {}))
         self.solved = set(trainer.get("solved", []))

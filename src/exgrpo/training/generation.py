@@ -41,7 +41,7 @@ def own_members(groups: Sequence[Group]) -> np.ndarray:
 
 
 @dataclass
-class Generation:
+class GenerationStats:
     """What one step's generation produced and cost, over all its rounds (rollout.zero_variance)."""
 
     rounds: int = 0
@@ -74,7 +74,7 @@ class GenerationResult:
     groups: list[Group]  # the groups to train on, K members each
     rewards: GroupRewards  # (G, K), aligned with `groups`
     correct: np.ndarray  # (G, K) reward >= the success threshold
-    stats: Generation
+    stats: GenerationStats
 
 
 class GenerationRounds:
@@ -83,8 +83,8 @@ class GenerationRounds:
     `max_rounds`). Retirement sees every group; if no group of the step is informative, the last round's are kept.
 
     Request (group g, member j) of step s is seeded by (seed, s, g, j), g counting every group of the step's rounds,
-    so each has its own stream. `weights` is entered around each rollout (the learner's full weights, in its
-    compute precision, for an engine that samples with the training model).
+    so each has its own stream. `weights` (the learner's full weights, in its compute precision) is entered around
+    each rollout of an engine that samples with the training model; one with a copy of the weights needs none.
     """
 
     def __init__(self, engine: RolloutEngine, scorer: GroupScorer, *, sampling: SamplingSettings,
@@ -93,7 +93,7 @@ class GenerationRounds:
                  weights: Callable[[], ContextManager] = contextlib.nullcontext):
         self.engine, self.scorer, self.sampling, self.K, self.seed = engine, scorer, sampling, num_generations, seed
         self.success_threshold, self.mode, self.dist = success_threshold, zero_variance, distributed
-        self.weights = weights
+        self.weights = contextlib.nullcontext if engine.holds_copy else weights
         self.max_rounds = 1 if zero_variance == "keep" else max_rounds
 
     @classmethod
@@ -114,7 +114,7 @@ class GenerationRounds:
         `first_round()` gives the rollouts that fill `groups` (the schedule's; its wait counts as rollout time);
         refill rounds sample here."""
         timer = timer or StageTimer()
-        wanted, stats, asked = len(groups), Generation(), set()
+        wanted, stats, asked = len(groups), GenerationStats(), set()
         kept, kept_rewards, kept_correct = [], [], []
         for _ in range(self.max_rounds):
             sampled = len(groups) * self.K - sum(len(g.members) for g in groups)

@@ -11,7 +11,7 @@ import torch
 
 from exgrpo.data import Question
 from exgrpo.experience import Trajectory
-from exgrpo.learner.policy import PackedBatch, pack
+from exgrpo.learner.forward import PackedBatch, pack
 from exgrpo.records import Group, Member
 
 

@@ -12,10 +12,10 @@ import numpy as np
 import torch
 
 from exgrpo.experience import ExperienceBuffer
-from exgrpo.learner.policy import PackedBatch
-from exgrpo.learner.update import UpdateResult
+from exgrpo.learner.forward import PackedBatch
+from exgrpo.learner.learner import UpdateResult
 from exgrpo.records import Group, GroupRewards
-from exgrpo.training.generation import Generation
+from exgrpo.training.generation import GenerationStats
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,9 @@ METRICS: tuple[Metric, ...] = tuple(
         ("time/logprob", "The no-grad pre-update log-prob pass (only with `train.mini_batches` > 1)."),
         ("time/update", "Forward, backward and optimizer steps of the update."),
         ("time/forward", "The training forward passes inside `time/update` (log-softmax and entropy included)."),
-        ("time/optimizer", "Gradient clipping, the AdamW steps and the engine's weight sync inside `time/update`."),
+        ("time/optimizer", "Gradient clipping and the AdamW steps inside `time/update`."),
+        ("time/push", "Pushing the updated weights into an engine with a copy of them (rollout.mode sync; in async "
+                      "mode the push runs on the rollout worker and only its submission is timed here)."),
     ) + _section(
         "Held-out evaluation (every `eval.every` steps, and after the last step)",
         ("eval/accuracy", "avg@`eval.samples` on the held-out questions: mean correctness (reward ≥ "
@@ -201,7 +203,7 @@ class StepRecord:
     advantages: torch.Tensor  # (G, K)
     batch: PackedBatch  # row g*K + j is member j of group g
     update: UpdateResult
-    generation: Generation
+    generation: GenerationStats
 
 
 def step_metrics(record: StepRecord, buffer: ExperienceBuffer, *, step: int, version: int, fresh_remaining: int,

@@ -67,20 +67,22 @@ class RolloutSource(Protocol):
 
 class InlineSource:
     """rollout.mode sync: a step's rollouts are sampled when it waits for them, by `generation` (each rank its
-    shard of the groups) under `rollout_weights`; a push marks the engine's copy, if it has one, to be reloaded
-    (not when the version is the one it holds: a step whose every optimizer step was skipped changed nothing)."""
+    shard of the groups). An engine with a copy of the weights receives a push at once, with the learner's full
+    weights gathered (`full_weights`), whenever their version changes (not when every optimizer step of a step was
+    skipped: nothing changed)."""
 
-    def __init__(self, generation: GenerationRounds, rollout_weights: Callable[[], ContextManager]):
-        self.generation, self.engine, self.rollout_weights = generation, generation.engine, rollout_weights
+    def __init__(self, generation: GenerationRounds, full_weights: Callable[[], ContextManager]):
+        self.generation, self.engine, self.full_weights = generation, generation.engine, full_weights
         self._version = 0  # the engine starts from the learner's weights before any optimizer step
 
     def submit(self, planned: PlannedStep) -> Wait:
         return lambda: self.generation.sample(planned.groups, planned.step, version=planned.version)
 
     def push(self, version: int) -> None:
-        if version != self._version:
-            self.engine.sync_weights(version)
-            self._version = version
+        if version != self._version and self.engine.holds_copy:
+            with self.full_weights():
+                self.engine.push_weights(version)
+        self._version = version
 
     def weights_read(self) -> None:
         pass
@@ -93,7 +95,7 @@ class InlineSource:
 
     @contextlib.contextmanager
     def evaluation_engine(self) -> Iterator[RolloutEngine]:
-        with self.rollout_weights():
+        with self.generation.weights():
             yield self.engine
 
     def close(self) -> None:
@@ -130,7 +132,7 @@ class ThreadedSource:
     @contextlib.contextmanager
     def evaluation_engine(self) -> Iterator[RolloutEngine]:
         # the engine samples from its own copy; a push queued before the evaluation reads the learner's weights
-        # from the worker thread meanwhile, so they stay as they are (no rollout_weights)
+        # from the worker thread meanwhile, so they stay as they are (no context changes them)
         yield self.worker.as_engine()
 
     def close(self) -> None:

@@ -41,7 +41,7 @@ from exgrpo.evaluation.contamination import screen_benchmark_questions
 from exgrpo.evaluation.heldout import Accuracy, evaluate_accuracy
 from exgrpo.experience import Trajectory
 from exgrpo.learner.objective import group_advantages
-from exgrpo.learner.update import PolicyUpdate, loss_settings
+from exgrpo.learner.learner import Learner, loss_settings
 from exgrpo.models import save_policy
 from exgrpo.records import MIXED
 from exgrpo.rewards import GradingPool
@@ -100,15 +100,15 @@ class ExGRPOTrainer:
         self.engine = engine or build_engine(c, model, tokenizer, lambda: c.data.max_prompt_length or max(
             (len(self.prompt_ids(q)) for q in [*train_dataset, *self.eval_dataset]), default=0))
         self.experience = Experience(c, train_dataset, self.prompt_ids, tokenizer, score=self._score_candidates)
-        self.update = PolicyUpdate.from_config(model, c, self.dist)
+        self.learner = Learner.from_config(model, c, self.dist)
         self.scorer = GroupScorer(reward_funcs, tokenizer, RewardHealth.from_config(c.reward),
                                   reward_weights=reward_weights, grading_pool=grading_pool, distributed=self.dist)
         self.generation = GenerationRounds.from_config(c, self.engine, self.scorer, distributed=self.dist,
-                                                       weights=self.update.rollout_weights)
+                                                       weights=self.learner.rollout_weights)
         self.source = self._rollout_source()
         staleness = c.rollout.max_staleness if c.rollout.mode == "async" else 0  # sync: plan and sample each step
         self.schedule = Schedule(self.source, lambda step, in_flight, timer: self.experience.plan(
-            step, self.update.weights_version, in_flight, timer), staleness, c.train.steps)
+            step, self.learner.weights_version, in_flight, timer), staleness, c.train.steps)
         self.parity = ParityProbe.from_config(c)
         self.step, self._resumed, self.stopped_by = 0, False, None
         self.history: list[dict] = []
@@ -119,12 +119,12 @@ class ExGRPOTrainer:
         """Where rollouts are sampled, chosen once: inline (sync), or on a worker thread, `max_staleness` steps
         ahead (async; docs/async.md)."""
         if self.config.rollout.mode == "sync":
-            return InlineSource(self.generation, self.update.rollout_weights)
+            return InlineSource(self.generation, self.learner.full_weights)
         if isinstance(self.engine, HFEngine):
             raise ConfigError(ASYNC_NEEDS_ITS_OWN_ENGINE)
         if self.dist.world_size > 1:
             raise ConfigError(ASYNC_IN_ONE_PROCESS)
-        return ThreadedSource(RolloutWorker(self.engine, timeout=self.config.rollout.sync_timeout), self.generation)
+        return ThreadedSource(RolloutWorker(self.engine, timeout=self.config.rollout.generation_timeout), self.generation)
 
     def _screen(self, questions: Sequence[Question], which: str) -> list[Question]:
         """The questions the run may use: benchmark test questions handled as data.benchmark_overlap says, and,
@@ -138,7 +138,7 @@ class ExGRPOTrainer:
         """One step of ExGRPO (see the module docstring); returns its metrics and example completions."""
         c, timer, start, experience = self.config, StageTimer(), time.perf_counter(), self.experience
         planned, first_round = self.schedule.next(self.step, timer)  # steps 1-2
-        phase, version = planned.phase, self.update.weights_version
+        phase, version = planned.phase, self.learner.weights_version
         generated = self.generation(planned.groups, self.step, first_round,  # roll out, score, retire
                                     functools.partial(experience.settle, step=self.step),
                                     lambda n, asked: experience.refill(n, planned, asked, timer), timer,
@@ -147,11 +147,12 @@ class ExGRPOTrainer:
         batch = pack_groups(groups, self.tokenizer.pad_token_id)
         advantages = group_advantages(torch.tensor(rewards.total, dtype=torch.float32), c.objective.scale_rewards)
         self.source.weights_read()
-        update = self.update(batch, advantages.reshape(-1),
+        update = self.learner(batch, advantages.reshape(-1),
                              loss_settings(c.objective, c.rollout.max_completion_length, phase, c.guidance.gamma),
                              c.experience.importance_correction, np.random.default_rng([c.train.seed, self.step, 2]),
                              timer)
-        self.source.push(self.update.weights_version)
+        with timer("push"):
+            self.source.push(self.learner.weights_version)
         # the parity probe compares engine and trainer on the same weights: not on rollouts of older ones
         parity = self.parity(self.step, batch.engine_logp, batch.engine_mask, update.behaviour_logp) \
             if planned.version == version else {}
@@ -164,14 +165,14 @@ class ExGRPOTrainer:
         self.last_step = record = StepRecord(phase, groups, rewards, correct, advantages, batch, update,
                                              generated.stats)
         metrics = step_metrics(record, experience.buffer, step=self.step - 1, version=version,
-                               fresh_remaining=experience.pool.remaining, learning_rate=self.update.learning_rate,
-                               skipped_updates=self.update.skipped_updates, solved=len(experience.solved),
+                               fresh_remaining=experience.question_pool.remaining, learning_rate=self.learner.learning_rate,
+                               skipped_updates=self.learner.skipped_updates, solved=len(experience.solved),
                                guidance=bool(experience.guidance), timings=timer.metrics(),
                                elapsed=time.perf_counter() - start)
         metrics.update({**parity, **self.source.step_metrics(groups, version)})
         if c.train.check_replicas:
             metrics.update(check_replicas(self.dist, self.step, experience.buffer.fingerprint(),
-                                          None if self.update.sharded else self.model))
+                                          None if self.learner.sharded else self.model))
         log_samples = c.logging.sample_every and self.step % c.logging.sample_every == 0
         return metrics, sample_lines(groups, rewards.total, self.tokenizer) if log_samples else []
 
@@ -179,7 +180,7 @@ class ExGRPOTrainer:
         """Selection scores of (question, stored trajectory) pairs; each rank scores a shard, all get every score."""
         e = self.config.experience
         mine = [(self.prompt_ids(q), t.token_ids.tolist()) for q, t in shard(pairs, self.dist)]
-        return self.dist.gather(self.update.selection_scores(mine, e.selection_metric, self.tokenizer.pad_token_id,
+        return self.dist.gather(self.learner.selection_scores(mine, e.selection_metric, self.tokenizer.pad_token_id,
                                                              e.selection_batch_size))
 
     # ------------------------------------------------------------------ the run
@@ -208,7 +209,7 @@ class ExGRPOTrainer:
         c, dp = self.config, self.dist
         with StopRequest() as stop:
             while self.step < c.train.steps and not dp.any_true(bool(stop.requested)):
-                if self.experience.pool.remaining == 0:
+                if self.experience.question_pool.remaining == 0:
                     if tracker:
                         tracker.print(f"[yellow]Every training question is retired (solved {self.K}/{self.K}); "
                                       f"stopping at step {self.step}.")
@@ -225,7 +226,7 @@ class ExGRPOTrainer:
         """A step plus what follows it: periodic evaluation, logging, checkpointing."""
         c = self.config
         metrics, samples = self.train_step()
-        last = self.step >= c.train.steps or self.experience.pool.remaining == 0  # the run ends with this step
+        last = self.step >= c.train.steps or self.experience.question_pool.remaining == 0  # the run ends with this step
         if c.eval.every and self.eval_dataset and (self.step % c.eval.every == 0 or last):
             accuracy = self.last_evaluation = self.evaluate()
             metrics.update({"eval/accuracy": accuracy.mean, "eval/stderr": accuracy.stderr})
@@ -256,7 +257,7 @@ class ExGRPOTrainer:
         """Everything but the model weights and global RNGs: {"trainer": JSON-able progress, the steps in flight
         with their rollouts (waited for) and the resolved config, "optimizer": optimizer and scheduler state,
         "buffer": the experience buffer's state}."""
-        update, experience = self.update.state_dict(), self.experience.state_dict()
+        update, experience = self.learner.state_dict(), self.experience.state_dict()
         trainer = {"step": self.step, **experience["trainer"], "optimizer_steps": update.pop("optimizer_steps"),
                    "skipped_updates": update.pop("skipped_updates"), "config": self.config.to_dict()}
         if in_flight := self.schedule.state_dict():
@@ -265,16 +266,16 @@ class ExGRPOTrainer:
 
     def load_state_dict(self, state: dict) -> None:
         trainer = state["trainer"]
-        self.update.load_state_dict({**state["optimizer"], "optimizer_steps": trainer["optimizer_steps"],
+        self.learner.load_state_dict({**state["optimizer"], "optimizer_steps": trainer["optimizer_steps"],
                                      "skipped_updates": trainer["skipped_updates"]})
         self.experience.load_state_dict(trainer, state["buffer"])
         self.step = trainer["step"]
-        self.schedule.load_state_dict(trainer.get("in_flight", []), self.experience.pool.questions, self.prompt_ids)
+        self.schedule.load_state_dict(trainer.get("in_flight", []), self.experience.question_pool.questions, self.prompt_ids)
 
     def save(self) -> None:
         """Checkpoint the current step: every rank gathers the state (FSDP needs them all), rank 0 writes it."""
         state = self.state_dict()
-        weights = full_model_state(self.model) if self.update.sharded else None
+        weights = full_model_state(self.model) if self.learner.sharded else None
         if self.dist.is_main:
             save_checkpoint(self.config.logging.output_dir, self.step,
                             lambda directory: save_policy(self.model, self.tokenizer, directory, weights),
@@ -283,11 +284,11 @@ class ExGRPOTrainer:
 
     def resume(self, directory, verified: bool = False) -> None:
         """Continue from a checkpoint directory (exgrpo.runtime.checkpoint), checked against its manifest unless
-        `verified` (by `exgrpo.training.run.start_point`, which also checks that the config is the run's own).
+        `verified` (by `exgrpo.training.launch.start_point`, which also checks that the config is the run's own).
         Logged lines of later steps are dropped: they will be logged again."""
         require_on_every_rank(self.dist, Path(directory))
         self.load_state_dict(load_checkpoint(directory, self.model, verified))
         self._resumed = True
         if self.dist.is_main:
             truncate_metrics(self.config.logging.output_dir, self.step)
-        self.source.push(self.update.weights_version)
+        self.source.push(self.learner.weights_version)

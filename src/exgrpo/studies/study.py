@@ -148,7 +148,7 @@ def run_study(study: Study, arms: list[str] | None = None, seeds: list[int] | No
     """Train every selected (arm, seed) run that has not reached its last step, resuming from its checkpoint.
     A SIGINT/SIGTERM stops the whole study once the current run has checkpointed; returns that signal's name (None
     when every run ended by itself)."""
-    from exgrpo.training.run import prepared_run
+    from exgrpo.training.launch import prepared_run
 
     selected = [study.arm(a) for a in arms] if arms else list(study.arms)
     for arm in selected:

@@ -1,4 +1,8 @@
-"""The policy update of one training step (spec §4.3): M mini-batches of whole groups, gradient accumulation over
+"""The learner: the trainable model, its optimizer and the update of one training step, and the model's weights as
+the rest of the run reads them (full and in the compute precision for rollouts on the training model, gathered for a
+push, forward passes for replay selection).
+
+The update (spec §4.3): M mini-batches of whole groups, gradient accumulation over
 micro-batches, one clipped AdamW step per mini-batch; and the pre-update log-probs that become the behaviour
 log-probs of collected trajectories.
 
@@ -22,7 +26,7 @@ from exgrpo.runtime.distributed import Distributed
 from exgrpo.errors import TrainingError
 from exgrpo.learner.objective import (LossSettings, importance_weight_stats, merge_stats, mixed_policy_loss,
                                      truncated_importance_weights)
-from exgrpo.learner.policy import PackedBatch, candidate_scores, token_logprobs
+from exgrpo.learner.forward import PackedBatch, candidate_scores, token_logprobs
 from exgrpo.runtime.sharding import all_finite, fully_shard_model, gathered, load_optimizer_state, optimizer_state
 from exgrpo.records import WARMUP
 from exgrpo.runtime.timing import StageTimer
@@ -98,8 +102,9 @@ def frozen_linear_weights_as(model: torch.nn.Module, dtype: torch.dtype, enabled
             w.data = data
 
 
-class PolicyUpdate:
-    """Owns the (sharded or replicated) trainable model, its optimizer and scheduler, and applies one step's update.
+class Learner:
+    """Owns the (sharded or replicated) trainable model, its optimizer and scheduler; applies one step's update
+    (`__call__`) and counts it in `weights_version`.
 
     Args:
         model: the policy (possibly peft-wrapped); its trainable parameters are optimised. With FSDP it is
@@ -114,8 +119,8 @@ class PolicyUpdate:
     """
 
     @classmethod
-    def from_config(cls, model, config: ExGRPOConfig, dist: Distributed) -> "PolicyUpdate":
-        """The update a run's config describes: train.*, K and temperature of rollout.*, objective.loss_scale, and
+    def from_config(cls, model, config: ExGRPOConfig, dist: Distributed) -> "Learner":
+        """The learner a run's config describes: train.*, K and temperature of rollout.*, objective.loss_scale, and
         the engine correction (`exgrpo.config.engine_correction_cap`)."""
         return cls(model, config.train, config.rollout.num_generations, config.rollout.temperature, dist,
                    loss_scale=config.objective.loss_scale, tis_cap=engine_correction_cap(config))
@@ -193,7 +198,7 @@ class PolicyUpdate:
     def selection_scores(self, candidates: list[tuple[list[int], list[int]]], metric: str, pad_id: int,
                          batch_size: int) -> list[float]:
         """Replay-selection scores of (prompt ids, trajectory ids) pairs under the current policy (eval mode: no
-        dropout), in no-grad passes of `batch_size` candidates (see `exgrpo.learner.policy.candidate_scores`)."""
+        dropout), in no-grad passes of `batch_size` candidates (see `exgrpo.learner.forward.candidate_scores`)."""
         was_training = self.model.training
         self.model.eval()
         with self.full_weights():
