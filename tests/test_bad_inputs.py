@@ -36,9 +36,10 @@ def _raises(exc, message):
     return check
 
 
-def _tiny_trainer(tmp_path, reward=None, **train):
+def _tiny_trainer(tmp_path, reward=None, experience=None, **train):
     config = config_from_dict({
         "rollout": {"num_generations": 4, "max_completion_length": 3},
+        "experience": experience or {},
         "train": {"steps": 2, "prompts_per_step": 4, "mini_batches": 1, "micro_batch_size": 16, **train},
         "logging": {"output_dir": str(tmp_path / "run"), "progress": False, "tensorboard": False},
     })
@@ -65,7 +66,8 @@ def _nan_reward_is_skipped_by_nansum(tmp_path):
 
 
 def _retired_pool_ends(tmp_path):
-    trainer = _tiny_trainer(tmp_path, reward=lambda prompts, completions, **_: [1.0] * len(completions), steps=50)
+    trainer = _tiny_trainer(tmp_path, reward=lambda prompts, completions, **_: [1.0] * len(completions), steps=50,
+                            experience={"retirement": "immediate"})
     history = trainer.train()
     assert len(history) == 2 and trainer.experience.question_pool.remaining == 0  # 8 questions, 4 per step, all solved K/K
 

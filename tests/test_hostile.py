@@ -135,7 +135,8 @@ def killed_before_the_first_checkpoint(d):
 
 
 def one_unretired_question_left(d):
-    done = train(d, "experience.ratio=0", "reward.function=toy_rewards:all_but_answer_15", "train.steps=6",
+    done = train(d, "experience.ratio=0", "experience.retirement=immediate",
+                 "reward.function=toy_rewards:all_but_answer_15", "train.steps=6",
                  "data.train=reasoning_gym:basic_arithmetic?size=12&seed=1&min_terms=2&max_terms=2&min_digits=1"
                  "&max_digits=1&operators=+", "data.holdout=0")
     assert last_metrics(d)["fresh_questions_remaining"] == 1 and steps(d) == list(range(1, 7))

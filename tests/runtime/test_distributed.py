@@ -103,7 +103,8 @@ def test_a_rank_without_groups_does_not_hang(tmp_path, sharding):
     """12 questions solved at once except one: the last steps have one group for two ranks."""
     data = ("data.train=reasoning_gym:basic_arithmetic?size=12&seed=1&min_terms=2&max_terms=2&min_digits=1"
             "&max_digits=1&operators=+")
-    metrics = _run(TORCHRUN, tmp_path / "run", f"train.sharding={sharding}", "experience.ratio=0", data,
+    metrics = _run(TORCHRUN, tmp_path / "run", f"train.sharding={sharding}", "experience.ratio=0",
+                   "experience.retirement=immediate", data,
                    "data.holdout=0", "reward.function=toy_rewards:all_but_answer_15")
     assert len(metrics) == STEPS and [m["fresh_questions_remaining"] for m in metrics][-2:] == [1, 1]
 

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from conftest import run_cli
 
-from exgrpo.config import ConfigError
-from exgrpo.studies.study import completed_steps, load_results, load_study, run_study
+from exgrpo.config import ConfigError, config_from_dict
+from exgrpo.studies.study import (Arm, Registration, RunResult, completed_steps, load_results, load_study,
+                                  run_study)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -79,7 +80,8 @@ def test_study_runs_every_arm_and_seed_once_and_reports(tmp_path):
 def test_a_run_that_retires_every_question_is_complete_and_evaluated_at_its_last_step(tmp_path):
     path = _study(tmp_path, arms={"grpo": {"overrides": ["experience.ratio=0"]}}, seeds=[1], overrides=[
         "data.train=reasoning_gym:basic_arithmetic?size=24&seed=1&min_terms=2&max_terms=2&min_digits=1&max_digits=1",
-        "reward.function=toy_rewards:always_right", "train.steps=10", "eval.every=3", "logging.progress=false"])
+        "reward.function=toy_rewards:always_right", "experience.retirement=immediate",
+        "train.steps=10", "eval.every=3", "logging.progress=false"])
     study = load_study(path)
     run_study(study, log=lambda m: None)
     (result,) = load_results(study)  # complete, although it stopped before train.steps
@@ -136,16 +138,56 @@ def test_t_interval_and_the_pre_registered_verdict_rules():
     mean, low, high = t_interval(np.array([1.0, 2.0, 3.0]))
     assert mean == 2.0 and high - mean == pytest.approx(4.303 * 1.0 / np.sqrt(3))
 
-    def points(*values):
-        return verdict(np.array(values) / 100)
+    def points(*values, equivalence=0.05):
+        return verdict(np.array(values) / 100, Registration(effect=0.03, equivalence=equivalence))
 
     assert points(4, 5, 6) == "helps"  # mean +5, interval [+2.5, +7.5]
     assert points(2, 2.5, 3) == "no difference"  # mean below +3, interval inside ±5
+    assert points(1, 2.5, 4, equivalence=0.03) == "inconclusive at this power"  # [−1.2, +6.2] is not inside ±3
     assert points(-4, -5, -6) == "hurts"
     assert points(-1, -2.5, -4) == "inconclusive at this power"  # mean −2.5, interval reaching past −5
     assert points(-10, 5, 20) == "inconclusive at this power"
     with pytest.raises(ValueError, match="2 to 10"):
         t_interval(np.array([0.1]))
+
+
+def _result(seed: int, rollouts_per_step: list[int], accuracies: dict[int, float], initial: float = 0.1):
+    """A run's result from its per-step sampled rollouts and its evaluations {step: accuracy}."""
+    history = [{"step": s, "phase": "warmup", "generation/rollouts": n, "experience/replayed": 0,
+                **({"eval/accuracy": accuracies[s]} if s in accuracies else {})}
+               for s, n in enumerate(rollouts_per_step, start=1)]
+    return RunResult(Arm("a", "a", (), (seed,)), seed, config_from_dict({}), history, {"accuracy": initial})
+
+
+def test_equal_rollouts_are_read_by_interpolation_and_the_primary_metric_is_registered():
+    """The reference is read between its evaluations, never at another evaluation step: an arm that sampled 10%
+    fewer rollouts is compared with the reference 10% of the way back along its last segment."""
+    from exgrpo.studies.statistics import paired_difference
+
+    reference = _result(1, [10] * 10, {5: 0.50, 10: 0.40})  # 50 rollouts: 0.50, 100 rollouts: 0.40
+    arm = _result(1, [9] * 10, {5: 0.45, 10: 0.45})  # 45 and 90 rollouts
+    final, late = Registration(primary="final"), Registration(primary="late_mean", late_evaluations=2)
+    assert reference.primary_at_rollouts(final, arm.curve()[1]) == pytest.approx(0.42)  # 90 of 50..100
+    d = paired_difference([arm], [reference], final)
+    assert d.at_equal_steps[0] == pytest.approx(0.05) and d.at_equal_rollouts[0] == pytest.approx(0.03)
+    # the late mean: the arm's evaluations at 45 and 90 rollouts against the reference read there, 0.46
+    # (0.1 + 0.4 * 45/50) and 0.42
+    assert arm.primary(late) == pytest.approx(0.45) and reference.primary(late) == pytest.approx(0.45)
+    assert paired_difference([arm], [reference], late).at_equal_rollouts[0] == pytest.approx(0.45 - 0.44)
+    more = _result(1, [11] * 10, {5: 0.5, 10: 0.5})  # 110 rollouts: beyond the reference's last evaluation
+    assert np.isnan(paired_difference([more], [reference], final).at_equal_rollouts[0])
+
+
+def test_the_registered_power_statement_reproduces_round_three():
+    """Round three's figures (issue #37): a paired SD of 8.3 points over 5 seeds gives P("helps") ≈ 11% for a true
+    +3.5 and ≈ 35% for +7.6, and 80% power only at about +14."""
+    from exgrpo.studies.statistics import detectable_effect, power, power_statement
+
+    rules = Registration(effect=0.03, equivalence=0.05, power_sd=0.083, power_effects=(0.035, 0.076))
+    assert 0.08 < power(0.035, 0.083, 5, rules) < 0.14 and 0.30 < power(0.076, 0.083, 5, rules) < 0.40
+    assert 0.12 < detectable_effect(0.083, 5, rules) < 0.16
+    assert power(0.035, 0.083, 10, rules) > power(0.035, 0.083, 5, rules)
+    assert "80% power needs a true effect of +1" in power_statement(rules, 5)
 
 
 def test_curves_of_runs_that_end_at_different_steps_align():

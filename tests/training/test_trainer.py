@@ -163,31 +163,48 @@ def test_ratio_zero_is_plain_grpo_and_keeps_buffer_empty():
     assert all(m["experience/replayed"] == 0 for m in history)
 
 
-def test_retired_questions_are_never_drawn_again():
-    easy = {f"q{i}" for i in range(6)}
-    seen_after_retirement = []
-    retired = set()
+EASY = {f"q{i}" for i in range(6)}
 
-    def reward(prompts, completions, completion_ids, answer, **_):
-        # the easy questions are always right (K/K -> retired); the rest depend on the first character
-        return [1.0 if f"q{a}" in easy else float(c[:1] in GOOD) for c, a in zip(completions, answer)]
 
-    trainer = _trainer(_config(train={"steps": 8}), reward=reward)
-    for _ in range(8):
+def easy_or_first_char(prompts, completions, completion_ids, answer, **_):
+    """The easy questions are always right (K/K: retired); the rest depend on the first character."""
+    return [1.0 if f"q{a}" in EASY else float(c[:1] in GOOD) for c, a in zip(completions, answer)]
+
+
+def _seen_after_retirement(trainer, steps: int) -> list[str]:
+    seen, retired = [], set()
+    for _ in range(steps):
         trainer.train_step()
-        ids = {g.question.id for g in trainer.last_step.groups}
-        seen_after_retirement += list(ids & retired)
+        seen += list({g.question.id for g in trainer.last_step.groups} & retired)
         retired = set(trainer.experience.buffer.retired)
-    assert easy <= retired
-    assert not seen_after_retirement
-    assert not (set(trainer.experience.buffer.questions()) & retired)
+    return seen
+
+
+def test_retired_questions_are_never_drawn_again_with_immediate_retirement():
+    trainer = _trainer(_config(train={"steps": 8}, experience={"retirement": "immediate"}), reward=easy_or_first_char)
+    assert not _seen_after_retirement(trainer, 8)
+    retired = set(trainer.experience.buffer.retired)
+    assert EASY <= retired and not (set(trainer.experience.buffer.questions()) & retired)
+
+
+def test_released_retirement_leaves_a_small_pool_whole_and_none_retires_nothing():
+    """24 questions, 8 per step: never more than 8 + 20, so released retirement keeps drawing retired questions as
+    fresh ones (never as experiential ones); retirement none (the paper's GRPO baseline) retires nothing."""
+    released = _trainer(_config(train={"steps": 8}), reward=easy_or_first_char)
+    assert set(_seen_after_retirement(released, 8)) & EASY
+    assert EASY <= released.experience.buffer.retired and released.experience.question_pool.remaining == 24
+    grpo = _trainer(_config(train={"steps": 4}, experience={"ratio": 0.0, "retirement": "none"}),
+                    reward=easy_or_first_char)
+    history = grpo.train()
+    assert grpo.experience.buffer.num_retired == 0 and all(m["experience/retired"] == 0 for m in history)
 
 
 def test_pool_exhaustion_ends_cleanly():
     def always_right(prompts, completions, completion_ids, answer, **_):
         return [1.0] * len(completions)
 
-    trainer = _trainer(_config(train={"steps": 10}), reward=always_right, questions=_questions(8))
+    trainer = _trainer(_config(train={"steps": 10}, experience={"retirement": "immediate"}), reward=always_right,
+                       questions=_questions(8))
     history = trainer.train()
     assert len(history) == 1 and trainer.experience.question_pool.remaining == 0
 

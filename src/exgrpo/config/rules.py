@@ -285,9 +285,14 @@ RESUMABLE_CHANGES = ("train.steps", "train.save_every", "train.save_total_limit"
                      "reward.timeout", "eval.", "logging.")
 
 
+# What a config written before a field existed meant by its absence, where that differs from the field's default.
+BEFORE_THE_FIELD = {"experience.retirement": "immediate"}
+
+
 def config_changes(old: dict, new: dict) -> tuple[list[str], list[str]]:
     """The fields where two resolved configs (`to_dict()`) differ, as "field: old -> new", split into (changes
-    that alter the algorithm, harmless ones listed in RESUMABLE_CHANGES)."""
+    that alter the algorithm, harmless ones listed in RESUMABLE_CHANGES). A field missing from `old` is read as
+    BEFORE_THE_FIELD gives it."""
     def flat(tree: dict, prefix: str = "") -> dict:
         out = {}
         for key, value in tree.items():
@@ -297,7 +302,7 @@ def config_changes(old: dict, new: dict) -> tuple[list[str], list[str]]:
                 out[prefix + key] = value
         return out
 
-    a, b = flat(old), flat(new)
+    a, b = {**BEFORE_THE_FIELD, **flat(old)}, flat(new)
     bf16 = "bf16" in (a.get("train.dtype"), b.get("train.dtype"))
     algorithmic, harmless = [], []
     for key in sorted(set(a) | set(b)):

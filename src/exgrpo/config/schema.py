@@ -196,6 +196,11 @@ class ExperienceConfig:
     """prioritized: every N-th step re-asks questions whose success rate is 0 or 1 (priority 0) instead."""
     start_threshold: float = 0.35
     """Switch to the mixed phase once batch Pass@1 > this (strict)."""
+    retirement: Literal["released", "immediate", "none"] = "released"
+    """What a question whose own members are all correct (K/K) leaves. released (spec §2, §9.9): experience sampling
+    and the buffer at once, the fresh-question pool at the next epoch boundary and only while the pool then holds
+    more than train.prompts_per_step + 20 questions; immediate: both at once (exgrpo before 2026-12-03); none:
+    nothing (the paper's on-policy baseline retires nothing)."""
     bucket_scheme: Literal["normal", "linear", "sqrt", "linear_clip", "uniform"] = "normal"
     """Per-bucket weights over success counts k: normal (a Gaussian), linear k/K, sqrt, linear_clip, or uniform
     over questions (no buckets)."""

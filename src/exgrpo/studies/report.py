@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -11,8 +12,8 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from exgrpo.studies.study import RunResult, Study, load_results, mixed_phase_start  # noqa: E402
-from exgrpo.studies.statistics import paired_difference, t_interval, verdict  # noqa: E402
+from exgrpo.studies.study import Registration, RunResult, Study, load_results, mixed_phase_start  # noqa: E402
+from exgrpo.studies.statistics import paired_difference, power_statement, t_interval, verdict  # noqa: E402
 
 
 def _by_arm(results: list[RunResult]) -> dict[str, list[RunResult]]:
@@ -167,7 +168,7 @@ def _pct(x: float) -> str:
 
 def _paired_delta(runs: list[RunResult], reference: list[RunResult]) -> str:
     """Final accuracy minus the reference arm's on the same seed, mean ± std over the seeds both have."""
-    diffs = paired_difference(runs, reference).at_equal_steps
+    diffs = paired_difference(runs, reference, Registration(primary="final")).at_equal_steps
     if runs[0].arm == reference[0].arm or not len(diffs):
         return "—"
     return f"{100 * diffs.mean():+.1f} ± {100 * diffs.std(ddof=1):.1f}" if len(diffs) > 1 else \
@@ -179,20 +180,42 @@ def _interval_text(values: np.ndarray) -> str:
     return f"{100 * mean:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]"
 
 
-def paired_table(arms: dict[str, list[RunResult]], comparisons: list[tuple[str, str]]) -> list[str]:
-    """Per (arm, reference) comparison: the paired difference at equal steps and at equal rollouts (mean and 95%
-    t-interval over seeds, accuracy points), per seed, and the pre-registered verdict on each difference."""
+def _difference_cells(values: np.ndarray, registered: Registration) -> str:
+    """Mean [95% CI] | per seed | verdict; dashes where the reference could not be read (NaN)."""
+    if np.isnan(values).any():
+        return "— | — | — (the reference sampled fewer rollouts in all)"
+    return (f"{_interval_text(values)} | {' / '.join(f'{100 * x:+.1f}' for x in values)} | "
+            f"{verdict(values, registered)}")
+
+
+def paired_table(arms: dict[str, list[RunResult]], comparisons: list[tuple[str, str]],
+                 registered: Registration) -> list[str]:
+    """Per (arm, reference) comparison: the paired difference of the registered primary metric at equal steps
+    and at equal rollouts (mean and 95% t-interval over seeds, accuracy points), per seed, and the registered
+    verdict on each."""
     lines = ["| comparison | seeds | Δ at equal steps: mean [95% CI] | per seed | verdict | Δ at equal rollouts: "
-             "mean [95% CI] | reference step used | verdict |", "|---|---|---:|---|---|---:|---|---|"]
+             "mean [95% CI] | per seed | verdict |", "|---|---|---:|---|---|---:|---|---|"]
     for name, reference in comparisons:
-        d = paired_difference(arms[name], arms[reference])
+        d = paired_difference(arms[name], arms[reference], registered)
         if len(d.seeds) < 2:
             continue
         lines.append(f"| {arms[name][0].arm.label} − {arms[reference][0].arm.label} | {', '.join(map(str, d.seeds))}"
-                     f" | {_interval_text(d.at_equal_steps)} | {' / '.join(f'{100 * x:+.1f}' for x in d.at_equal_steps)}"
-                     f" | {verdict(d.at_equal_steps)} | {_interval_text(d.at_equal_rollouts)} | "
-                     f"{' / '.join(map(str, d.reference_steps))} | {verdict(d.at_equal_rollouts)} |")
+                     f" | {_difference_cells(d.at_equal_steps, registered)}"
+                     f" | {_difference_cells(d.at_equal_rollouts, registered)} |")
     return lines
+
+
+def _primary_text(registered: Registration) -> str:
+    return ("the last held-out evaluation" if registered.primary == "final" else
+            f"the mean held-out accuracy over the last {registered.late_evaluations} evaluations")
+
+
+def write_curves(arms: dict[str, list[RunResult]], path: Path) -> None:
+    """Every run's evaluations (step, cumulative sampled rollouts, accuracy) as JSON, kept with the report so that
+    it can be analysed again after the run directories are gone."""
+    curves = {f"{name}/seed-{r.seed}": [[int(s), int(n), float(a)] for s, n, a in zip(*r.curve())]
+              for name, runs in arms.items() for r in runs}
+    path.write_text(json.dumps(curves, indent=0))
 
 
 def analyses_table(arms: dict[str, list[RunResult]], names: list[str]) -> list[str]:
@@ -282,7 +305,8 @@ def write_study_report(study: Study, out: str | Path, main_arms: list[str], only
     if ablations:
         plots += _curves(arms, [main_arms[-1], *ablations], out, "ablations")
     plots.append(_final_bars(arms, names, out, "all"))
-    c = arms[names[0]][0].config
+    write_curves(arms, out / "curves.json")
+    c, reg = arms[names[0]][0].config, study.registered
     rows = {r.seed: r.initial["num_questions"] for runs in arms.values() for r in runs}
     held_out = ", ".join(f"seed {seed}: {n}" for seed, n in sorted(rows.items()))
     references = list(dict.fromkeys([study.baseline, main_arms[-1]]))  # deltas against GRPO and against ExGRPO
@@ -296,9 +320,13 @@ def write_study_report(study: Study, out: str | Path, main_arms: list[str], only
         "SE = std / √seeds.", "",
         "## Final held-out accuracy", "", *final_table(arms, names, references), "",
         "## Paired differences (accuracy points)", "",
-        "Equal rollouts: the reference arm at its last evaluation whose cumulative sampled rollouts do not exceed "
-        "the arm's. Verdict: the rules pre-registered in docs/results.md applied to each difference; the "
-        "registration says which one is primary.", "", *paired_table(arms, comparisons), "",
+        f"The registered primary metric: {_primary_text(reg)}. Equal rollouts: the reference arm's accuracy read at "
+        "the arm's cumulative sampled rollouts of those evaluations, by linear interpolation between the reference's "
+        "own evaluations. Verdict (registered): \"helps\" when the mean is ≥ "
+        f"{100 * reg.effect:+.1f} and the 95% interval is above 0, \"hurts\" mirrored, \"no difference\" when "
+        f"the interval lies within ±{100 * reg.equivalence:.1f}; the registration says which difference is "
+        "primary.", "", *([power_statement(reg, len(arms[study.baseline])), ""] if reg.power_sd else []),
+        *paired_table(arms, comparisons, reg), "",
         "## Buffer and replay (end of training, mean over seeds)", "", *buffer_table(arms, names), "",
         "## Coverage, zero-variance groups, entropy (mean over seeds)", "", *analyses_table(arms, names), "",
         *[f"![{p}]({p})" for p in plots], "",

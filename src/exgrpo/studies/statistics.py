@@ -1,5 +1,6 @@
-"""The pre-registered statistics of a study: paired differences of an arm to the baseline over seeds, at equal
-steps and at equal rollouts, their 95% t-intervals, and the verdict rules fixed before the runs (docs/results.md)."""
+"""The pre-registered statistics of a study: paired differences of an arm to a reference arm over seeds, at equal
+steps and at equal rollouts (by interpolation), their 95% t-intervals, the verdict rules, and the power of those
+rules, all as registered in the study file (`exgrpo.studies.study.Registration`; docs/results.md)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from exgrpo.studies.study import RunResult
+from exgrpo.studies.study import Registration, RunResult
 
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}  # Student t
 
@@ -23,34 +24,60 @@ def t_interval(values: np.ndarray) -> tuple[float, float, float]:
 @dataclass
 class PairedDifference:
     """An arm minus a reference arm (the baseline, or the arm an ablation changes) on the seeds both ran, in
-    accuracy units."""
+    accuracy units, of the registered primary metric."""
 
     seeds: list[int]
-    at_equal_steps: np.ndarray  # (n,) final accuracy − the reference's final accuracy
-    at_equal_rollouts: np.ndarray  # (n,) final accuracy − the reference's last evaluation within as many rollouts
-    reference_steps: list[int]  # (n,) the step of that reference evaluation
+    at_equal_steps: np.ndarray  # (n,) the arm's primary metric − the reference's
+    at_equal_rollouts: np.ndarray  # (n,) ... − the reference's read at the arm's rollouts (interpolated; NaN: none)
 
 
-def paired_difference(runs: list[RunResult], reference: list[RunResult]) -> PairedDifference:
+def paired_difference(runs: list[RunResult], reference: list[RunResult],
+                      registered: Registration) -> PairedDifference:
     by_seed = {r.seed: r for r in reference}
     pairs = [(r, by_seed[r.seed]) for r in runs if r.seed in by_seed]
-    within = [b.accuracy_within(r.fresh_rollouts()[-1]) for r, b in pairs]
-    return PairedDifference([r.seed for r, _ in pairs],
-                            np.array([r.final_accuracy - b.final_accuracy for r, b in pairs]),
-                            np.array([r.final_accuracy - a for (r, _), (_, a) in zip(pairs, within)]),
-                            [s for s, _ in within])
+    return PairedDifference(
+        [r.seed for r, _ in pairs],
+        np.array([r.primary(registered) - b.primary(registered) for r, b in pairs]),
+        np.array([r.primary(registered) - b.primary_at_rollouts(registered, r.curve()[1]) for r, b in pairs]))
 
 
-def verdict(differences: np.ndarray, effect: float = 0.03, equivalence: float = 0.05) -> str:
-    """The rules pre-registered in docs/results.md on (n,) paired differences (accuracy units): "helps" when the
-    mean is ≥ `effect` and the 95% interval's low end > 0, "hurts" mirrored, "no difference" when the interval lies
-    within ±`equivalence`. (Round two's "hurts" also asked the equal-rollouts mean to be negative; round three
-    registered one rule per difference, and round two's "no difference" does not depend on it.)"""
+def verdict(differences: np.ndarray, registered: Registration) -> str:
+    """The registered rules on (n,) paired differences: "helps" when the mean is ≥ `effect` and the 95% interval's
+    low end > 0, "hurts" mirrored, "no difference" when the interval lies within ±`equivalence`."""
     mean, low, high = t_interval(differences)
-    if mean >= effect and low > 0:
+    if mean >= registered.effect and low > 0:
         return "helps"
-    if mean <= -effect and high < 0:
+    if mean <= -registered.effect and high < 0:
         return "hurts"
-    if -equivalence <= low and high <= equivalence:
+    if -registered.equivalence <= low and high <= registered.equivalence:
         return "no difference"
     return "inconclusive at this power"
+
+
+def power(true_effect: float, sd: float, seeds: int, registered: Registration, trials: int = 20_000) -> float:
+    """P(verdict "helps") when the paired differences are N(true_effect, sd²) over `seeds` seeds (simulated, a
+    fixed random stream: the same figures every time)."""
+    d = np.random.default_rng(0).normal(true_effect, sd, size=(trials, seeds))
+    mean, half = d.mean(1), T_975[seeds - 1] * d.std(1, ddof=1) / np.sqrt(seeds)
+    return float(np.mean((mean >= registered.effect) & (mean - half > 0)))
+
+
+def detectable_effect(sd: float, seeds: int, registered: Registration, target: float = 0.8) -> float:
+    """The smallest true effect the rules call "helps" with probability `target` (to 0.1 points)."""
+    low, high = 0.0, 20 * sd + registered.effect
+    while high - low > 0.001:
+        middle = (low + high) / 2
+        low, high = (low, middle) if power(middle, sd, seeds, registered) >= target else (middle, high)
+    return high
+
+
+def power_statement(registered: Registration, seeds: int) -> str:
+    """The registered power, in words (empty when the study registered no SD)."""
+    if registered.power_sd is None:
+        return ""
+    sd = registered.power_sd
+    chances = ", ".join(f"{100 * power(e, sd, seeds, registered):.0f}% for a true {100 * e:+.1f}"
+                        for e in registered.power_effects)
+    return (f"With {seeds} paired seeds and the registered paired SD of {100 * sd:.1f} points, the rules say "
+            f"\"helps\" with probability {chances}; 80% power needs a true effect of "
+            f"{100 * detectable_effect(sd, seeds, registered):+.1f} points.")

@@ -22,17 +22,58 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 
 from exgrpo.runtime.atomic import write_text_atomic
 from exgrpo.config import ConfigError, ExGRPOConfig, load_config, read_yaml
 
-_STUDY_KEYS = {"base", "output_dir", "seeds", "overrides", "baseline", "arms"}
+_STUDY_KEYS = {"base", "output_dir", "seeds", "overrides", "baseline", "arms", "registered"}
 _ARM_KEYS = {"label", "overrides", "seeds"}
 
 
 def mixed_phase_start(history: list[dict]) -> int | None:
     """The first step (1-based) of a run's metric lines that ran in the mixed phase; None if none did."""
     return next((m.get("step", i + 1) for i, m in enumerate(history) if m["phase"] == "mixed"), None)
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What a study registered before its runs (docs/results.md): the primary metric, the verdict rules and the
+    power statement. Accuracies in [0, 1].
+
+    primary: "late_mean", the mean held-out accuracy over the run's last `late_evaluations` evaluations (less
+        noisy than one evaluation, and it measures what was learnt rather than a late decline), or "final", the
+        last evaluation (rounds one to three).
+    effect: "helps" needs a mean difference of at least this and a 95% interval above 0 ("hurts" mirrored).
+    equivalence: "no difference" needs the whole 95% interval inside ±equivalence; it should be smaller than the
+        effect of interest (rounds one to three used 0.05).
+    power_sd: the paired SD of the primary difference expected from an earlier round; with it the report states
+        P("helps") for each of `power_effects` and the effect detected with 80% power at the study's seeds.
+    """
+
+    primary: str = "late_mean"
+    late_evaluations: int = 3
+    effect: float = 0.03
+    equivalence: float = 0.03
+    power_sd: float | None = None
+    power_effects: tuple[float, ...] = ()
+
+
+_REGISTRATION_KEYS = {"primary", "late_evaluations", "effect", "equivalence", "power_sd", "power_effects"}
+
+
+def _registration(value, where: str) -> Registration:
+    value = value or {}
+    if not isinstance(value, dict) or set(value) - _REGISTRATION_KEYS:
+        raise ConfigError(f"{where}: expected a mapping with keys among {sorted(_REGISTRATION_KEYS)}, got {value!r}")
+    try:
+        reg = Registration(**{k: tuple(v) if k == "power_effects" else v for k, v in value.items()})
+    except TypeError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    if reg.primary not in ("late_mean", "final") or not (isinstance(reg.late_evaluations, int)
+                                                         and reg.late_evaluations >= 1):
+        raise ConfigError(f"{where}: primary must be late_mean or final and late_evaluations an integer >= 1")
+    return reg
 
 
 @dataclass(frozen=True)
@@ -51,6 +92,7 @@ class Study:
     overrides: tuple[str, ...]
     baseline: str
     arms: tuple[Arm, ...]
+    registered: Registration = Registration()
 
     def arm(self, name: str) -> Arm:
         for a in self.arms:
@@ -117,7 +159,7 @@ def load_study(path: str | Path) -> Study:
     root = path.parent
     study = Study(path, (root / raw["base"]).resolve(), (root / raw["output_dir"]).resolve(),
                   _overrides(raw.get("overrides"), f"{path}: overrides"), str(raw.get("baseline", arms[0].name)),
-                  tuple(arms))
+                  tuple(arms), _registration(raw.get("registered"), f"{path}: registered"))
     study.arm(study.baseline)
     for arm in study.arms:  # every run's config must build before the first one starts
         study.config(arm, arm.seeds[0])
@@ -209,10 +251,28 @@ class RunResult:
             out.append(total)
         return out
 
-    def accuracy_within(self, rollouts: int) -> tuple[int, float]:
-        """(step, accuracy) of the last evaluation whose cumulative sampled rollouts do not exceed `rollouts`."""
+    def curve(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(steps, cumulative sampled rollouts, held-out accuracy) at each evaluation, step 0 first."""
         sampled = [0] + self.fresh_rollouts()
-        return [(s, a) for s, a in self.evaluations() if sampled[s] <= rollouts][-1]
+        steps = np.array([s for s, _ in self.evaluations()])
+        return steps, np.array([sampled[s] for s in steps]), np.array([a for _, a in self.evaluations()])
+
+    def primary(self, registered: Registration) -> float:
+        """The registered primary metric: the last evaluation, or the mean over the last `late_evaluations`."""
+        accuracy = self.curve()[2]
+        if registered.primary == "final":
+            return float(accuracy[-1])
+        return float(accuracy[1:][-registered.late_evaluations:].mean())
+
+    def primary_at_rollouts(self, registered: Registration, rollouts: np.ndarray) -> float:
+        """The primary metric of this run read at another run's evaluation rollouts (the last one, or the last
+        `late_evaluations`), each by linear interpolation between this run's evaluations; NaN where this run
+        sampled fewer rollouts in all than asked for (no extrapolation)."""
+        _, sampled, accuracy = self.curve()
+        points = rollouts[-1:] if registered.primary == "final" else rollouts[1:][-registered.late_evaluations:]
+        if points.max() > sampled[-1]:
+            return float("nan")
+        return float(np.interp(points, sampled, accuracy).mean())
 
 
 def load_results(study: Study, arms: list[str] | None = None) -> list[RunResult]:

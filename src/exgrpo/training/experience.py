@@ -59,9 +59,12 @@ class Experience:
         c, e = config, config.experience
         self.config, self.prompt_ids, self.score, self.K = c, prompt_ids, score, c.rollout.num_generations
         self.buffer = ExperienceBuffer.from_config(e, self.K)
-        self.question_pool = QuestionPool(questions, c.train.seed, retirement=self.buffer)
+        self.question_pool = QuestionPool(questions, c.train.seed, retirement=self.buffer,
+                                          at_epoch_boundary=e.retirement == "released",
+                                          batch_size=c.train.prompts_per_step)
         self.guidance = Guidance.from_config(c.guidance, questions, tokenizer, c.rollout.max_completion_length)
         self.replay_policy = replay_policy_from_config(e, self.buffer, self.K)
+        self.retires = e.retirement != "none"
         self.solved: set[str] = set()  # questions with a correct rollout of the policy's own (coverage, guidance)
         self.phase = WARMUP
 
@@ -110,12 +113,13 @@ class Experience:
 
     def settle(self, groups: list[Group], correct: np.ndarray, step: int) -> int:
         """A generation round's outcome, dropped groups included: questions whose own members are all correct are
-        retired (spec §2; returns how many now); each question's k goes to the replay policy; questions with a
-        correct rollout of the policy's own are marked solved (coverage; guidance fallback)."""
+        retired (spec §2; returns how many now) unless experience.retirement is none; each question's k goes to the
+        replay policy; questions with a correct rollout of the policy's own are marked solved (coverage; guidance
+        fallback)."""
         retired = 0
         for g, ok, own in zip(groups, correct, own_members(groups)):
             k = int(ok[own].sum())
-            if k == own.sum() and not self.buffer.is_retired(g.question.id):
+            if k == own.sum() and self.retires and not self.buffer.is_retired(g.question.id):
                 self.buffer.retire(g.question.id)
                 retired += 1
             self.replay_policy.observe(g.question.id, k, step)
