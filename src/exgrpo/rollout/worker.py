@@ -136,13 +136,13 @@ class RolloutWorker:
 class _Queued:
     """RolloutEngine protocol over a RolloutWorker: generate submits and waits."""
 
+    holds_copy = True
+
     def __init__(self, worker: RolloutWorker, what: str):
         self.worker, self.what = worker, what
 
     def generate(self, prompt_ids, sampling, seeds) -> Rollouts:
         return self.worker.wait(self.worker.generate(prompt_ids, sampling, seeds), self.what).rollouts
-
-    holds_copy = True
 
     def push_weights(self, version: int) -> None:
         raise EngineError("weights reach an asynchronous engine through RolloutWorker.push")
