@@ -34,8 +34,11 @@ def test_a_full_fine_tuning_checkpoint_loads_with_plain_transformers_and_exports
     assert "assistant" in tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                                         add_generation_prompt=True)
     out = tmp_path / "export"
+    killed = tmp_path / ".export.tmp-999999999-abc"  # what an export killed mid-write leaves (no such pid)
+    killed.mkdir()
     done = run_cli(["export", str(tmp_path / "run"), str(out)])
     assert done.returncode == 0 and "exported" in done.stderr, done.stderr
+    assert not killed.exists() and not list(tmp_path.glob(".export.tmp-*"))
     assert torch.equal(_logits(AutoModelForCausalLM.from_pretrained(out)), _logits(model))
     assert AutoTokenizer.from_pretrained(out).chat_template == tokenizer.chat_template
     again = run_cli(["export", str(tmp_path / "run"), str(out)])

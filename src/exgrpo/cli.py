@@ -143,11 +143,14 @@ def _checkpoint(run_or_checkpoint: str, needed: str) -> Path:
 def _export(args) -> int:
     """A standalone model directory from a run (its newest intact checkpoint) or a checkpoint."""
     from exgrpo.models import export_policy, is_preset
+    from exgrpo.runtime.scratch import owned_temp_dir
 
     source = _checkpoint(args.source, "model")
     out = Path(args.out)
     _check_export_target(out, args.overwrite)
-    staging = out.with_name(f".{out.name}.tmp-{os.getpid()}")  # OUT is replaced whole, never mixed with old files
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # OUT is replaced whole, never mixed with old files; a killed export's staging directory goes at the next export
+    staging = Path(owned_temp_dir(f".{out.name}.tmp-", str(out.parent)))
     try:
         export_policy(source / "model", staging, merge=args.merge)
         if out.exists():
