@@ -57,9 +57,17 @@ class CopyEngine:
         pass
 
 
+_TRAINERS: list = []
+
+
 @pytest.fixture(autouse=True)
 def _in_tmp(tmp_path, monkeypatch):
+    """Each test in its own directory; every trainer it built closed after it (its rollout worker thread may still
+    be sampling when a test ends on an error)."""
     monkeypatch.chdir(tmp_path)
+    yield
+    while _TRAINERS:
+        _TRAINERS.pop().close()
 
 
 def _config(mode="async", staleness=1, steps=5, output_dir="run", **sections):
@@ -79,7 +87,9 @@ def _config(mode="async", staleness=1, steps=5, output_dir="run", **sections):
 def _trainer(config, **engine_options):
     model, tokenizer = load_policy("tiny:0")
     engine = CopyEngine(model, tokenizer, **engine_options)
-    return ExGRPOTrainer(model, tokenizer, [first_char_reward], config, _questions(18), engine=engine)
+    trainer = ExGRPOTrainer(model, tokenizer, [first_char_reward], config, _questions(18), engine=engine)
+    _TRAINERS.append(trainer)
+    return trainer
 
 
 def _run(trainer):
@@ -224,6 +234,7 @@ def test_a_pool_no_larger_than_the_steps_in_flight_still_gives_whole_batches(siz
     trainer = ExGRPOTrainer(model, tokenizer, [first_char_reward],
                             _config(steps=4, output_dir=str(tmp_path / "run"), experience={"ratio": 0.0}),
                             _questions(size), engine=CopyEngine(model, tokenizer))
+    _TRAINERS.append(trainer)
     steps = _run(trainer)
     assert [len(s["groups"]) for s in steps] == [6, 6, 6, 6]
 
@@ -247,5 +258,6 @@ def test_the_learners_weights_are_left_as_they_are_while_an_async_engine_evaluat
     engine = DtypeWatch(model, tokenizer)
     trainer = ExGRPOTrainer(model, tokenizer, [first_char_reward], config, _questions(18),
                             eval_dataset=_questions(24)[18:], engine=engine)
+    _TRAINERS.append(trainer)
     _run(trainer)
     assert len(engine.seen) >= 4 and all(dtypes == {torch.float32} for dtypes in engine.seen), engine.seen

@@ -32,8 +32,7 @@ class Run:
     grading_pool: GradingPool
 
     def close(self) -> None:
-        self.trainer.source.close()
-        self.trainer.engine.close()
+        self.trainer.close()
         self.grading_pool.close()
 
 

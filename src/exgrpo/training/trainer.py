@@ -252,6 +252,12 @@ class ExGRPOTrainer:
                                      c.eval.samples, seed=derive_seed(c.train.seed, self.step, 4),
                                      success_threshold=c.reward.success_threshold, prompt_ids_of=self.prompt_ids)
 
+    def close(self) -> None:
+        """Stop the rollout source (async: its worker thread, which may be sampling a step the run will not reach)
+        and release the engine. The trainer cannot train afterwards."""
+        self.source.close()
+        self.engine.close()
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """Everything but the model weights and global RNGs: {"trainer": JSON-able progress, the steps in flight
