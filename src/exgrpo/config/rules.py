@@ -280,7 +280,8 @@ RESUMABLE_CHANGES = ("train.steps", "train.save_every", "train.save_total_limit"
                      "train.max_tokens_per_micro_batch", "train.logprob_chunk_tokens", "train.activation_checkpointing",
                      "train.sharding",
                      "rollout.generation_batch_size", "rollout.gpu_memory_utilization", "rollout.kv_cache_gb",
-                     "rollout.sync_timeout", "rollout.generation_timeout", "rollout.parity_every", "rollout.parity_threshold",
+                     "rollout.sync_timeout", "rollout.generation_timeout", "rollout.parity_every",
+                     "rollout.parity_threshold",
                      "experience.selection_batch_size", "reward.workers",
                      "reward.timeout", "eval.", "logging.")
 
