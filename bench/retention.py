@@ -55,7 +55,8 @@ def retention(run_dir: Path) -> dict:
         trainer = run.trainer
         trainer.load_state_dict(load_checkpoint(checkpoint, trainer.model))
         trainer.source.push(trainer.learner.weights_version)
-        questions = [q for q in trainer.experience.question_pool.questions.values() if q.id in trainer.experience.solved]
+        questions = [q for qid, q in trainer.experience.question_pool.questions.items()
+                     if qid in trainer.experience.solved]
         accuracy = evaluate_accuracy(trainer.engine, trainer.tokenizer, questions, trainer.scorer.reward_funcs,
                                      SamplingSettings.from_config(config.rollout, temperature=1.0), SAMPLES, SEED,
                                      config.reward.success_threshold, trainer.prompt_ids)

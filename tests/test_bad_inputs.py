@@ -69,7 +69,8 @@ def _retired_pool_ends(tmp_path):
     trainer = _tiny_trainer(tmp_path, reward=lambda prompts, completions, **_: [1.0] * len(completions), steps=50,
                             experience={"retirement": "immediate"})
     history = trainer.train()
-    assert len(history) == 2 and trainer.experience.question_pool.remaining == 0  # 8 questions, 4 per step, all solved K/K
+    # 8 questions, 4 per step, all solved K/K
+    assert len(history) == 2 and trainer.experience.question_pool.remaining == 0
 
 
 def _skip_invalid(tmp_path):

@@ -128,7 +128,8 @@ def test_replays_know_their_age_version_and_use_count_and_exgrpo_buffer_shows_th
 
     trainer.train(on_step=on_step)
     assert len(seen) >= 3
-    stored = {(q, t.token_ids.tobytes()): t for q in trainer.experience.buffer.questions() for t in trainer.experience.buffer.trajectories(q)}
+    buffer = trainer.experience.buffer
+    stored = {(q, t.token_ids.tobytes()): t for q in buffer.questions() for t in buffer.trajectories(q)}
     assert all(t.uses == uses[key] for key, t in stored.items()) and any(t.uses > 0 for t in stored.values())
 
     result = run_cli(["buffer", "run", "--json", "--examples", "2"])

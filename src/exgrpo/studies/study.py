@@ -58,6 +58,10 @@ class Registration:
     power_sd: float | None = None
     power_effects: tuple[float, ...] = ()
 
+    def primary_points(self, per_evaluation: np.ndarray) -> np.ndarray:
+        """The entries of (E,) `per_evaluation` (step 0 first) that the primary metric reads."""
+        return per_evaluation[-1:] if self.primary == "final" else per_evaluation[1:][-self.late_evaluations:]
+
 
 _REGISTRATION_KEYS = {"primary", "late_evaluations", "effect", "equivalence", "power_sd", "power_effects"}
 
@@ -259,17 +263,14 @@ class RunResult:
 
     def primary(self, registered: Registration) -> float:
         """The registered primary metric: the last evaluation, or the mean over the last `late_evaluations`."""
-        accuracy = self.curve()[2]
-        if registered.primary == "final":
-            return float(accuracy[-1])
-        return float(accuracy[1:][-registered.late_evaluations:].mean())
+        return float(registered.primary_points(self.curve()[2]).mean())
 
     def primary_at_rollouts(self, registered: Registration, rollouts: np.ndarray) -> float:
         """The primary metric of this run read at another run's evaluation rollouts (the last one, or the last
         `late_evaluations`), each by linear interpolation between this run's evaluations; NaN where this run
         sampled fewer rollouts in all than asked for (no extrapolation)."""
         _, sampled, accuracy = self.curve()
-        points = rollouts[-1:] if registered.primary == "final" else rollouts[1:][-registered.late_evaluations:]
+        points = registered.primary_points(rollouts)
         if points.max() > sampled[-1]:
             return float("nan")
         return float(np.interp(points, sampled, accuracy).mean())

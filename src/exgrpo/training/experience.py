@@ -133,8 +133,8 @@ class Experience:
         experiential = []
         if self.config.rollout.zero_variance == "replace_from_buffer" and planned.phase == MIXED:
             experiential = self.sample_experiential(planned.rng, planned.step, n, asked)
-        return self.build_groups(experiential, self.question_pool.draw(n - len(experiential)), planned.phase, planned.rng,
-                                 timer, planned.step)
+        fresh = self.question_pool.draw(n - len(experiential))
+        return self.build_groups(experiential, fresh, planned.phase, planned.rng, timer, planned.step)
 
     def collect(self, groups: list[Group], correct: np.ndarray, lengths: list[int], behaviour_logp: torch.Tensor,
                 step: int, version: int) -> None:

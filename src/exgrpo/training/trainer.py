@@ -47,7 +47,7 @@ from exgrpo.records import MIXED
 from exgrpo.rewards import GradingPool
 from exgrpo.rewards.health import RewardHealth
 from exgrpo.rewards.scorer import GroupScorer
-from exgrpo.rollout import HFEngine, RolloutEngine, SamplingSettings, build_engine, derive_seed
+from exgrpo.rollout import RolloutEngine, SamplingSettings, build_engine, derive_seed
 from exgrpo.rollout.parity import ParityProbe
 from exgrpo.rollout.worker import RolloutWorker
 from exgrpo.runtime.atomic import write_text_atomic
@@ -120,11 +120,11 @@ class ExGRPOTrainer:
         ahead (async; docs/async.md)."""
         if self.config.rollout.mode == "sync":
             return InlineSource(self.generation, self.learner.full_weights)
-        if isinstance(self.engine, HFEngine):
+        if not self.engine.holds_copy:
             raise ConfigError(ASYNC_NEEDS_ITS_OWN_ENGINE)
         if self.dist.world_size > 1:
             raise ConfigError(ASYNC_IN_ONE_PROCESS)
-        return ThreadedSource(RolloutWorker(self.engine, timeout=self.config.rollout.generation_timeout), self.generation)
+        return ThreadedSource(RolloutWorker(self.engine, self.config.rollout.generation_timeout), self.generation)
 
     def _screen(self, questions: Sequence[Question], which: str) -> list[Question]:
         """The questions the run may use: benchmark test questions handled as data.benchmark_overlap says, and,
@@ -148,9 +148,9 @@ class ExGRPOTrainer:
         advantages = group_advantages(torch.tensor(rewards.total, dtype=torch.float32), c.objective.scale_rewards)
         self.source.weights_read()
         update = self.learner(batch, advantages.reshape(-1),
-                             loss_settings(c.objective, c.rollout.max_completion_length, phase, c.guidance.gamma),
-                             c.experience.importance_correction, np.random.default_rng([c.train.seed, self.step, 2]),
-                             timer)
+                              loss_settings(c.objective, c.rollout.max_completion_length, phase, c.guidance.gamma),
+                              c.experience.importance_correction, np.random.default_rng([c.train.seed, self.step, 2]),
+                              timer)
         with timer("push"):
             self.source.push(self.learner.weights_version)
         # the parity probe compares engine and trainer on the same weights: not on rollouts of older ones
@@ -165,8 +165,8 @@ class ExGRPOTrainer:
         self.last_step = record = StepRecord(phase, groups, rewards, correct, advantages, batch, update,
                                              generated.stats)
         metrics = step_metrics(record, experience.buffer, step=self.step - 1, version=version,
-                               fresh_remaining=experience.question_pool.remaining, learning_rate=self.learner.learning_rate,
-                               skipped_updates=self.learner.skipped_updates, solved=len(experience.solved),
+                               fresh_remaining=experience.question_pool.remaining, solved=len(experience.solved),
+                               learning_rate=self.learner.learning_rate, skipped_updates=self.learner.skipped_updates,
                                guidance=bool(experience.guidance), timings=timer.metrics(),
                                elapsed=time.perf_counter() - start)
         metrics.update({**parity, **self.source.step_metrics(groups, version)})
@@ -253,8 +253,7 @@ class ExGRPOTrainer:
                                      success_threshold=c.reward.success_threshold, prompt_ids_of=self.prompt_ids)
 
     def close(self) -> None:
-        """Stop the rollout source (async: its worker thread, which may be sampling a step the run will not reach)
-        and release the engine. The trainer cannot train afterwards."""
+        """Stop the rollout source (async: its worker thread) and release the engine; no training afterwards."""
         self.source.close()
         self.engine.close()
 
@@ -276,7 +275,8 @@ class ExGRPOTrainer:
                                      "skipped_updates": trainer["skipped_updates"]})
         self.experience.load_state_dict(trainer, state["buffer"])
         self.step = trainer["step"]
-        self.schedule.load_state_dict(trainer.get("in_flight", []), self.experience.question_pool.questions, self.prompt_ids)
+        questions = self.experience.question_pool.questions
+        self.schedule.load_state_dict(trainer.get("in_flight", []), questions, self.prompt_ids)
 
     def save(self) -> None:
         """Checkpoint the current step: every rank gathers the state (FSDP needs them all), rank 0 writes it."""
