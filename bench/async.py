@@ -33,11 +33,15 @@ VLLM = ["rollout.engine=vllm", "rollout.max_model_len=256", "rollout.generation_
 MODES = {"sync": [], "async s=1": ["rollout.mode=async", "rollout.max_staleness=1"]}
 
 
-def run(mode: str, steps: int, directory: str) -> dict:
-    overrides = [*VLLM, *MODES[mode], f"train.steps={steps}", f"eval.every={steps}", "logging.progress=false",
-                 "logging.sample_every=0", f"logging.output_dir={directory}", "--overwrite"]
-    subprocess.run([sys.executable, "-m", "exgrpo", "train", "--config", str(ROOT / "configs" / "demo.yaml"),
-                    *overrides], cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def run(mode: str, steps: int, directory: str, overrides: list[str] | None = None,
+        launcher: list[str] = (sys.executable, "-m")) -> dict:
+    """One `exgrpo train` process (`launcher` runs the module: python -m, or torchrun ... -m) in `mode` (sync, or
+    an async one), with `overrides` (default: the vLLM engine and the mode's), summarised."""
+    overrides = [*(overrides if overrides is not None else [*VLLM, *MODES[mode]]), f"train.steps={steps}",
+                 f"eval.every={steps}", "logging.progress=false", "logging.sample_every=0",
+                 f"logging.output_dir={directory}", "--overwrite"]
+    subprocess.run([*launcher, "exgrpo", "train", "--config", str(ROOT / "configs" / "demo.yaml"), *overrides],
+                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = read_metrics(Path(directory) / "metrics.jsonl")
     later = metrics[1:]
     if mode == "sync":

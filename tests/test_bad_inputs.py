@@ -124,6 +124,13 @@ CASES = {
     "vllm engine with top-p": (lambda p: load_config(None, ["rollout.engine=vllm", "rollout.top_p=0.9"]),
                                _raises(ConfigError, "it needs rollout.top_p 1 and rollout.top_k 0")),
     "vllm not installed": (_vllm_not_installed, lambda action: action()),
+    "servers engine without servers": (lambda p: load_config(None, ["rollout.engine=servers"]),
+                                       _raises(ConfigError, "rollout.servers (the servers' base URLs) goes with")),
+    "servers that are not URLs": (lambda p: load_config(None, ["rollout.engine=servers",
+                                                               "rollout.servers=127.0.0.1:8000"]),
+                                  _raises(ConfigError, "rollout.servers must be http(s)://host:port URLs")),
+    "servers for another engine": (lambda p: load_config(None, ["rollout.servers=http://127.0.0.1:8000"]),
+                                   _raises(ConfigError, "rollout.servers (the servers' base URLs) goes with")),
     # datasets
     "missing data file": (lambda p: load_questions(str(p / "nope.jsonl")),
                           _raises(DataError, "nope.jsonl: no such file or directory")),

@@ -1,6 +1,6 @@
 """`exgrpo train|demo --config F [section.field=value ...]`, `exgrpo eval --model M --benchmarks B ...`,
-`exgrpo experiment run|report STUDY`, `exgrpo export RUN_OR_CHECKPOINT OUT [--merge]` and
-`exgrpo buffer RUN_OR_CHECKPOINT [--json]`."""
+`exgrpo experiment run|report STUDY`, `exgrpo export RUN_OR_CHECKPOINT OUT [--merge]`,
+`exgrpo buffer RUN_OR_CHECKPOINT [--json]` and `exgrpo serve --config F --port P [-- VLLM_ARGS]`."""
 
 from __future__ import annotations
 
@@ -140,6 +140,22 @@ def _checkpoint(run_or_checkpoint: str, needed: str) -> Path:
     return source
 
 
+def _serve(args, overrides) -> int:
+    """Start (or with --print, show) the `vllm serve` server of a rollout.engine servers run."""
+    from exgrpo.rollout.serve import exec_server, server_command
+
+    config = load_config(args.config, overrides)
+    if config.rollout.engine != "servers":
+        raise ConfigError(f"exgrpo serve starts the servers of a rollout.engine servers run, not of rollout.engine "
+                          f"{config.rollout.engine}")
+    argv, env = server_command(config, args.host, args.port, args.vllm_args)
+    if args.print:
+        print(" ".join(f"{k}={v}" for k, v in env.items()), shlex.join(argv))
+        return 0
+    exec_server(argv, env)
+    return 1  # not reached: the server replaced this process
+
+
 def _export(args) -> int:
     """A standalone model directory from a run (its newest intact checkpoint) or a checkpoint."""
     from exgrpo.models import export_policy, is_preset
@@ -222,6 +238,17 @@ def _add_buffer_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
 
 
+def _add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="start a vLLM rollout server for a rollout.engine servers run",
+                       description="Run `vllm serve` with the flags a rollout.engine servers run needs, assembled "
+                                   "from its config (docs/scale.md). Arguments after -- go to vllm serve as they are.",
+                       epilog="Any config field can be overridden: section.field=value or --section.field value")
+    p.add_argument("--config", help="the run's YAML config file")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--print", action="store_true", help="print the command instead of running it")
+
+
 def _add_export_parser(sub) -> None:
     p = sub.add_parser("export", help="a standalone HF model directory from a run or checkpoint",
                        description="Write the newest intact checkpoint of RUN (or CHECKPOINT) as a model directory "
@@ -302,6 +329,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_experiment_parser(sub)
     _add_export_parser(sub)
     _add_buffer_parser(sub)
+    _add_serve_parser(sub)
     return parser
 
 
@@ -318,20 +346,26 @@ def _check_eval_args(parser: argparse.ArgumentParser, args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
-    args, overrides = parser.parse_known_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    own, vllm_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    args, overrides = parser.parse_known_args(own)
+    args.vllm_args = vllm_args
+    if "--" in argv and args.command != "serve":
+        parser.error("arguments after -- go to vllm serve: only exgrpo serve takes them")
     if overrides and args.command in ("eval", "experiment", "export", "buffer"):
         parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     if args.command == "eval":
         _check_eval_args(parser, args)
         from exgrpo.evaluation.evaluate import eval_command
 
-        return eval_command(args, sys.argv[1:] if argv is None else argv)
+        return eval_command(args, argv)
     library_format = warnings.formatwarning
     warnings.formatwarning = lambda message, category, *rest: f"exgrpo: warning: {message}\n" \
         if issubclass(category, ExgrpoWarning) else library_format(message, category, *rest)
     try:
         return {"train": _train, "demo": _demo, "experiment": lambda a, _: _experiment(a),
-                "export": lambda a, _: _export(a), "buffer": lambda a, _: _buffer(a)}[args.command](args, overrides)
+                "export": lambda a, _: _export(a), "buffer": lambda a, _: _buffer(a),
+                "serve": _serve}[args.command](args, overrides)
     except ConfigError as e:
         print(f"exgrpo: config error: {e}", file=sys.stderr)
         return 2

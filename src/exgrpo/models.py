@@ -475,13 +475,19 @@ def _apply_umask_permissions(directory: Path) -> None:
             os.chmod(path, 0o666 & ~umask)
 
 
-def _load_smollm2(torch_dtype: torch.dtype, cache_dir: str | None) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def smollm2_directory(cache_dir: str | None = None) -> Path:
+    """The SmolLM2 preset as a model directory (converted from the packaged GGUF on first use)."""
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     target = root / SMOLLM2_PRESET
     if not _smollm2_cache_is_complete(target):
         _convert_smollm2_gguf(find_smollm2_gguf(), target)
+    return target
+
+
+def _load_smollm2(torch_dtype: torch.dtype, cache_dir: str | None) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = smollm2_directory(cache_dir)
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch_dtype)
     _set_name_or_path(model, SMOLLM2_PRESET)
     tokenizer = AutoTokenizer.from_pretrained(str(target), padding_side="left")
@@ -501,6 +507,7 @@ __all__ = [
     "default_cache_dir",
     "find_smollm2_gguf",
     "load_policy",
+    "smollm2_directory",
     "save_model",
     "export_policy",
     "save_policy",

@@ -113,7 +113,7 @@ def test_overrides_in_both_spellings():
      "experience.bucket_mean and bucket_sigma apply to bucket_scheme normal only"),
     (["experience.retest_every=10"], "experience.retest_every applies to experience.policy prioritized only"),
     (["guidance.gamma=0.1"], "guidance.members, mode and gamma apply only with guidance.field set"),
-    (["objective.engine_correction=auto"], "objective.engine_correction apply to rollout.engine vllm only"),
+    (["objective.engine_correction=auto"], "objective.engine_correction apply to rollout.engine vllm and servers only"),
 ])
 def test_config_errors_name_the_field(overrides, message):
     with pytest.raises(ConfigError) as info:

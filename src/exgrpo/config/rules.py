@@ -13,7 +13,7 @@ from exgrpo.errors import ConfigError
 #: Refusals of rollout.mode async that depend on the engine or the launch, not on the config alone: made before the
 #: model loads for a run built from its config (training/launch.py), and by the trainer for an engine passed to it.
 ASYNC_NEEDS_ITS_OWN_ENGINE = ("rollout.mode async needs an engine with its own copy of the weights (rollout.engine "
-                              "vllm): the hf engine samples from the weights the learner is updating")
+                              "vllm or servers): the hf engine samples from the weights the learner is updating")
 ASYNC_IN_ONE_PROCESS = "rollout.mode async runs in one process for now: use rollout.mode sync under torchrun"
 
 
@@ -118,20 +118,21 @@ def _rollout_rules(cfg, given: set[str]):
         f"rollout.kv_cache_gb must be null or > 0 (got {ro.kv_cache_gb})"
     yield _positive("rollout.sync_timeout", ro.sync_timeout)
     yield _positive("rollout.generation_timeout", ro.generation_timeout)
-    yield ro.mode == "async" or not _set_any(given, "rollout.generation_timeout"), \
-        "rollout.generation_timeout applies to rollout.mode async only"
+    yield ro.mode == "async" or ro.engine == "servers" or not _set_any(given, "rollout.generation_timeout"), \
+        "rollout.generation_timeout applies to rollout.mode async and rollout.engine servers only"
+    yield from _server_rules(ro, given)
     yield _at_least("rollout.parity_every", ro.parity_every, 0)
     yield ro.parity_threshold is None or ro.parity_threshold > 0, \
         f"rollout.parity_threshold must be null or > 0 (got {ro.parity_threshold})"
     yield ro.engine == "hf" or (ro.top_p == 1 and ro.top_k == 0), \
-        ("rollout.engine vllm reports log-probs renormalised over the top-p/top-k set, which the trainer does not "
+        (f"rollout.engine {ro.engine} reports log-probs renormalised over the top-p/top-k set, which the trainer does not "
          "use: it needs rollout.top_p 1 and rollout.top_k 0")
-    yield ro.engine == "vllm" or not _set_any(given, "rollout.engine_dtype", "rollout.max_model_len",
-                                              "rollout.kv_cache_gb", "objective.engine_correction"), \
+    yield ro.engine != "hf" or not _set_any(given, "rollout.engine_dtype", "rollout.max_model_len",
+                                            "rollout.kv_cache_gb", "objective.engine_correction"), \
         ("rollout.engine_dtype, max_model_len, kv_cache_gb and objective.engine_correction apply to rollout.engine "
-         "vllm only")
+         "vllm and servers only")
     yield not (o.engine_correction == "none" and engine_precision(cfg) != compute_precision(cfg)), \
-        (f"the vllm engine samples in {engine_precision(cfg)} but the trainer computes in {compute_precision(cfg)}: "
+        (f"the {ro.engine} engine samples in {engine_precision(cfg)} but the trainer computes in {compute_precision(cfg)}: "
          "its log-probs differ, so objective.engine_correction must not be none (use tis or auto)")
     yield o.tis_cap >= 1, f"objective.tis_cap must be >= 1 (got {o.tis_cap})"
     yield _at_least("rollout.max_generation_rounds", ro.max_generation_rounds, 1)
@@ -148,6 +149,18 @@ def _rollout_rules(cfg, given: set[str]):
     yield ro.mode == "sync" or o.engine_correction != "none", \
         ("rollout.mode async samples from older weights than the learner's: objective.engine_correction must "
          "not be none (auto or tis correct stale tokens by truncated importance sampling)")
+
+
+def _server_rules(ro, given: set[str]):
+    """rollout.engine servers and its fields"""
+    yield (ro.engine == "servers") == bool(ro.server_urls), \
+        "rollout.servers (the servers' base URLs) goes with rollout.engine servers, and that engine needs it"
+    yield all(u.startswith(("http://", "https://")) for u in ro.server_urls), \
+        f"rollout.servers must be http(s)://host:port URLs, comma separated (got {ro.servers!r})"
+    yield ro.engine == "servers" or not _set_any(given, "rollout.weight_transfer", "rollout.transfer_address",
+                                                 "rollout.transfer_port"), \
+        "rollout.weight_transfer, transfer_address and transfer_port apply to rollout.engine servers only"
+    yield 0 <= ro.transfer_port < 65536, f"rollout.transfer_port must be a port number or 0 (got {ro.transfer_port})"
 
 
 def _reward_and_objective_rules(cfg):
@@ -259,7 +272,7 @@ def engine_correction_cap(cfg) -> float | None:
     come from an engine other than the trainer's own forward (vllm: other kernels and reduction orders differ from
     the trainer's even at the same precision; async: older weights too); `tis` always; `none` never."""
     mode, r = cfg.objective.engine_correction, cfg.rollout
-    other_engine = r.engine == "vllm" or r.mode == "async"  # async: another engine, and older weights
+    other_engine = r.engine != "hf" or r.mode == "async"  # async: another engine, and older weights
     return cfg.objective.tis_cap if mode == "tis" or (mode == "auto" and other_engine) else None
 
 
@@ -271,7 +284,7 @@ def compute_precision(cfg) -> str:
 def engine_precision(cfg) -> str:
     """The dtype rollouts are sampled in (the hf engine samples with the trainer's own forward)."""
     r = cfg.rollout
-    return r.engine_dtype if r.engine == "vllm" and r.engine_dtype != "auto" else compute_precision(cfg)
+    return r.engine_dtype if r.engine != "hf" and r.engine_dtype != "auto" else compute_precision(cfg)
 
 
 # Changing these on resume leaves the algorithm as it was: length, bookkeeping, memory, speed and sharding.

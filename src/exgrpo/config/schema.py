@@ -74,9 +74,18 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["hf", "vllm"] = "hf"
-    """Rollout engine: hf (transformers generate on the training model) or vllm (an in-process vLLM engine with its
-    own copy of the weights, synced after every optimizer step; needs the vllm extra)."""
+    engine: Literal["hf", "vllm", "servers"] = "hf"
+    """Rollout engine: hf (transformers generate on the training model), vllm (a vLLM engine of this run with its
+    own copy of the weights, synced after every optimizer step; needs the vllm extra) or servers (`vllm serve`
+    servers at rollout.servers, the weights pushed to them over vLLM's weight-transfer interface; docs/scale.md)."""
+    servers: str = ""
+    """servers: the servers' base URLs, comma separated (http://host:port,...); start each with `exgrpo serve`."""
+    weight_transfer: Literal["exgrpo_gloo"] = "exgrpo_gloo"
+    """servers: the weight-transfer backend the servers run (exgrpo_gloo: ours, over gloo; CPU or GPU servers)."""
+    transfer_address: str = "127.0.0.1"
+    """servers: this host's address as the servers reach it (where the weight-transfer group meets)."""
+    transfer_port: int = 0
+    """servers: the port the weight-transfer group meets on at transfer_address; 0: a free one."""
     mode: Literal["sync", "async"] = "sync"
     """sync: each step samples from the current weights, then updates them; async: a worker thread samples the
     next steps while the learner updates, step t from the weights after step t - max_staleness (docs/async.md;
@@ -84,9 +93,9 @@ class RolloutConfig:
     max_staleness: int = 1
     """async: how many steps the sampling weights lag the learner's (0: the same run as sync mode)."""
     engine_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """vllm: the engine's precision; auto is the trainer's compute precision (bfloat16 under train.dtype bf16)."""
+    """vllm, servers: the engine's precision; auto is the trainer's compute precision (bfloat16 under train.dtype bf16)."""
     max_model_len: int | None = None
-    """vllm: prompt + completion tokens per sequence; null: data.max_prompt_length (else the longest prompt in the
+    """vllm, servers (`exgrpo serve`): prompt + completion tokens per sequence; null: data.max_prompt_length (else the longest prompt in the
     data) + max_completion_length."""
     gpu_memory_utilization: float = 0.5
     """vllm on CUDA: the share of GPU memory the colocated engine may take (weights and KV cache)."""
@@ -116,7 +125,7 @@ class RolloutConfig:
     top_k: int = 0
     """0 disables top-k."""
     generation_batch_size: int = 256
-    """Sequences per generate call (memory bound)."""
+    """Sequences per generate call (memory bound); servers: requests in flight per server."""
     zero_variance: Literal["keep", "backfill", "replace_from_buffer"] = "keep"
     """Groups whose K rewards are all equal (no gradient): keep them with A = 0 (released); backfill: drop them and
     roll out further fresh questions until B informative groups or max_generation_rounds (DAPO's dynamic
@@ -124,6 +133,11 @@ class RolloutConfig:
     ones once the buffer has no unused question; in the warm-up it backfills)."""
     max_generation_rounds: int = 3
     """backfill, replace_from_buffer: rounds of generation per step at most (the first included)."""
+
+    @property
+    def server_urls(self) -> list[str]:
+        """`servers` as a list (empty when unset)."""
+        return [url.strip() for url in self.servers.split(",") if url.strip()]
 
 
 @dataclass

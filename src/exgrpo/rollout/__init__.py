@@ -1,6 +1,6 @@
 """Rollout engines: turn prompts into sampled completions. The protocol and what the trainer expects of an engine
-are in `exgrpo.rollout.base`; engines: `hf` (`exgrpo.rollout.hf`) and `vllm` (`exgrpo.rollout.vllm`, needs the
-`vllm` extra)."""
+are in `exgrpo.rollout.base`; engines: `hf` (`exgrpo.rollout.hf`), `vllm` (`exgrpo.rollout.vllm`) and `servers`
+(`exgrpo.rollout.servers`), both needing the `vllm` extra."""
 
 from __future__ import annotations
 
@@ -23,6 +23,13 @@ def build_engine(config: ExGRPOConfig, model, tokenizer, longest_prompt: Callabl
     r = config.rollout
     if r.engine == "hf":
         return HFEngine(model, tokenizer, r.generation_batch_size)
+    if r.engine == "servers":
+        from exgrpo.rollout.servers import ServerEngine
+
+        return ServerEngine(model, tokenizer, r.server_urls, backend=r.weight_transfer, dtype=engine_precision(config),
+                            transfer_address=r.transfer_address, transfer_port=r.transfer_port,
+                            max_concurrency=r.generation_batch_size, request_timeout=r.generation_timeout,
+                            sync_timeout=r.sync_timeout)
     from exgrpo.rollout.vllm import VLLMEngine
 
     max_model_len = r.max_model_len or longest_prompt() + r.max_completion_length

@@ -62,6 +62,9 @@ from exgrpo.runtime.scratch import owned_temp_dir
 
 SUPPORTED_VERSIONS = ">=0.32,<0.33"
 _BLOCK = 32
+#: what every vLLM engine of ours samples with (the `vllm serve` servers included; the module docstring says why)
+SAMPLING_SETTINGS = dict(logprobs_mode="processed_logprobs", generation_config="vllm", max_logprobs=1,
+                         disable_log_stats=True)
 
 
 def _import_vllm(engine_process: bool = False):
@@ -160,9 +163,9 @@ class VLLMEngine:
             limit = getattr(config, "max_position_embeddings", None) or 4096
             self.max_model_len = min(max_model_len or limit, limit)
             kwargs = dict(model=self._dir, dtype=dtype, seed=seed, max_model_len=self.max_model_len,
-                          max_num_seqs=max_num_seqs, logprobs_mode="processed_logprobs", generation_config="vllm",
-                          max_logprobs=1, disable_log_stats=True, **self._placement_kwargs(launched),
-                          **self._memory_kwargs(config, dtype, max_num_seqs, gpu_memory_utilization, kv_cache_gb))
+                          max_num_seqs=max_num_seqs, **SAMPLING_SETTINGS, **self._placement_kwargs(launched),
+                          **memory_settings(config, dtype, max_num_seqs, self.max_model_len, self.cuda,
+                                            gpu_memory_utilization, kv_cache_gb))
             self.llm = _start_llm(vllm, kwargs, config, rpc_dir=self._dir)
             os.unlink(os.path.join(self._dir, "model.safetensors"))  # loaded: a model-sized copy less on disk
             if launched:
@@ -185,18 +188,6 @@ class VLLMEngine:
             kwargs.update(weight_transfer_config={"backend": "exgrpo_shm"},
                           worker_extension_cls="exgrpo.rollout.weight_transfer.WorkerExtension")
         return kwargs
-
-    def _memory_kwargs(self, config, dtype: str, max_num_seqs: int, gpu_memory_utilization: float,
-                       kv_cache_gb: float | None) -> dict:
-        """CUDA: a share of the GPU and sleep mode; CPU: a KV cache of an explicit size and whole-prompt prefill."""
-        if self.cuda:
-            return dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
-        tokens = max_num_seqs * math.ceil(self.max_model_len / _BLOCK) * _BLOCK
-        kv = int(kv_cache_gb * 2**30) if kv_cache_gb else _kv_bytes_per_token(config, dtype) * tokens
-        # whole prompts only: a chunked prefill rewinds the request's generator, which CPU generators cannot do
-        # ("CPU Generator does not use offset" once a batch's prompts exceed the token budget)
-        return dict(enforce_eager=True, block_size=_BLOCK, kv_cache_memory_bytes=kv, enable_chunked_prefill=False,
-                    max_num_batched_tokens=max(self.max_model_len, 4096))
 
     def _write_model(self):
         """The policy as a model directory for vLLM to start from (weights merged, tokenizer, config)."""
@@ -297,6 +288,20 @@ class VLLMEngine:
         shutil.rmtree(self._dir, ignore_errors=True)
         if self.transport is not None:
             self.transport.close()
+
+
+def memory_settings(config, dtype: str, max_num_seqs: int, max_model_len: int, cuda: bool,
+                    gpu_memory_utilization: float, kv_cache_gb: float | None) -> dict:
+    """An engine's memory: on CUDA a share of the GPU and sleep mode; on CPU a KV cache of an explicit size (room
+    for max_num_seqs full-length sequences unless kv_cache_gb) and whole-prompt prefill. `config` is the model's."""
+    if cuda:
+        return dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
+    tokens = max_num_seqs * math.ceil(max_model_len / _BLOCK) * _BLOCK
+    kv = int(kv_cache_gb * 2**30) if kv_cache_gb else _kv_bytes_per_token(config, dtype) * tokens
+    # whole prompts only: a chunked prefill rewinds the request's generator, which CPU generators cannot do
+    # ("CPU Generator does not use offset" once a batch's prompts exceed the token budget)
+    return dict(enforce_eager=True, block_size=_BLOCK, kv_cache_memory_bytes=kv, enable_chunked_prefill=False,
+                max_num_batched_tokens=max(max_model_len, 4096))
 
 
 def _worker_placement(worker) -> dict:

@@ -1,57 +1,58 @@
-"""A CPU weight-transfer backend for vLLM 0.32's RL interface (`vllm.distributed.weight_transfer`), used when the
-vLLM engine runs in a process of its own (`rollout.mode: async`). vLLM's own backends (nccl, ipc, ...) need CUDA.
+"""Our backends of vLLM 0.32's weight-transfer interface (`vllm.distributed.weight_transfer`) for CPU learners and
+engines (vLLM's own backends, nccl and ipc, need CUDA), and the worker extension that registers them in vLLM's
+workers.
 
-Transport: the trainer writes the weights as one safetensors file in shared memory (/dev/shm, a tmpfs) and sends
-its path through vLLM's `update_weights`; the engine's worker memory-maps the file and streams it into the model's
-own `load_weights` inside vLLM's layerwise reload, as `reload_weights(is_checkpoint_format=True)` does (it re-creates
-the CPU GEMM handles). Only the path crosses vLLM's RPC.
+* `exgrpo_shm` (the engine in a process of its own, rollout.mode async): the trainer writes the weights as one
+  safetensors file in shared memory (/dev/shm, a tmpfs) and sends its path through vLLM's `update_weights`; the
+  engine's worker memory-maps it. Only the path crosses vLLM's RPC.
+* `exgrpo_gloo` (`vllm serve` servers, rollout.engine servers): vLLM's dense NCCL backend with gloo underneath. One
+  process group of the learner's sender (rank 0) and every server worker (rank_offset + its rank within its
+  server), formed with vLLM's stateless gloo group; each update broadcasts the parameters one by one from rank 0,
+  to every server at once. Both ends are here: `GlooWeightTransfer` in the server's worker, `GlooTrainerTransfer`
+  on the learner's ranks (built with `WeightTransferTrainerFactory.trainer_init` on every rank, rank 0 sending).
 
-The engine's worker runs in a spawned process, where a registration made in the trainer's process does not
-exist: the engine is built with `worker_extension_cls` naming `WorkerExtension` below, which the worker imports
-by name before it loads the model, and importing this module registers the backend there.
+Both load what arrives with the model's own `load_weights` inside vLLM's layerwise reload, as
+`reload_weights(is_checkpoint_format=True)` does (it re-creates the CPU GEMM handles), and remember which
+parameters an update did not load (`missing`), so that an incomplete update is refused (a tied `lm_head.weight`
+left out makes vLLM warn and keep sampling from the old head).
 
-Importing this module imports vLLM: only `exgrpo.rollout.vllm` and vLLM's worker import it.
+A worker runs in a process of its own, where a registration made in the learner's process does not exist: the
+engine or server is started with `worker_extension_cls` naming `WorkerExtension` below, which the worker imports
+by name before it loads the model, and importing this module registers the backends there (and, for the learner's
+side of gloo, in the learner).
+
+Importing this module imports vLLM.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import os
 import signal
+import socket
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
 
 import torch
-from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, \
-    WeightTransferUpdateInfo
-from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine, WeightSource, \
+    WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-BACKEND = "exgrpo_shm"
-
-
-@dataclass
-class SharedFileInit(WeightTransferInitInfo):
-    pass  # nothing to rendezvous: every update names its file
+SHM_BACKEND = "exgrpo_shm"
+GLOO_BACKEND = "exgrpo_gloo"
 
 
-@dataclass
-class SharedFileUpdate(WeightTransferUpdateInfo):
-    path: str  # a safetensors file of (checkpoint name, tensor) the trainer wrote
+class _LayerwiseReload(WeightTransferEngine):
+    """What both backends' worker ends share: an update runs inside vLLM's layerwise reload, and the parameters it
+    did not load are kept in `missing`."""
 
-
-class SharedFileTransfer(WeightTransferEngine[SharedFileInit, SharedFileUpdate]):
-    """The engine side (in vLLM's worker process): loads each update's file into the model and remembers which
-    parameters were loaded, so that an incomplete update is refused (a tied `lm_head.weight` left out makes vLLM
-    warn and keep sampling from the old head)."""
-
-    init_info_cls = SharedFileInit
-    update_info_cls = SharedFileUpdate
     supports_draft_weight_update = False
 
-    def init_transfer_engine(self, init_info: SharedFileInit) -> None:
+    def init_transfer_engine(self, init_info) -> None:
         self.loaded: set[str] = set()
         self.missing: list[str] = []
 
@@ -65,12 +66,6 @@ class SharedFileTransfer(WeightTransferEngine[SharedFileInit, SharedFileUpdate])
         # the base class ends with torch.accelerator.synchronize(), which raises on a CPU-only torch
         self.receive_weights(self.parse_update_info(update_info))
 
-    def receive_weights(self, update_info: SharedFileUpdate) -> None:
-        from safetensors import safe_open
-
-        with safe_open(update_info.path, framework="pt", device="cpu") as f, torch.no_grad():
-            self.loaded |= set(self.model.load_weights((name, f.get_tensor(name)) for name in f.keys()) or ())
-
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
@@ -82,6 +77,171 @@ class SharedFileTransfer(WeightTransferEngine[SharedFileInit, SharedFileUpdate])
         pass
 
 
+# ---------------------------------------------------------------------------------------------------- exgrpo_shm
+@dataclass
+class SharedFileInit(WeightTransferInitInfo):
+    pass  # nothing to rendezvous: every update names its file
+
+
+@dataclass
+class SharedFileUpdate(WeightTransferUpdateInfo):
+    path: str  # a safetensors file of (checkpoint name, tensor) the trainer wrote
+
+
+class SharedFileTransfer(_LayerwiseReload):
+    """The engine side of exgrpo_shm: loads each update's file into the model."""
+
+    init_info_cls = SharedFileInit
+    update_info_cls = SharedFileUpdate
+
+    def receive_weights(self, update_info: SharedFileUpdate) -> None:
+        from safetensors import safe_open
+
+        with safe_open(update_info.path, framework="pt", device="cpu") as f, torch.no_grad():
+            self.loaded |= set(self.model.load_weights((name, f.get_tensor(name)) for name in f.keys()) or ())
+
+
+# ---------------------------------------------------------------------------------------------------- exgrpo_gloo
+@dataclass
+class GlooInit(WeightTransferInitInfo):
+    """What a server's workers need to join the learner's group (one per server: `rank_offset` differs)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int  # the group rank of this server's worker 0 (the learner's sender is rank 0)
+    world_size: int  # the sender and every worker of every server
+    timeout_s: float = 300.0
+
+
+@dataclass
+class GlooUpdate(WeightTransferUpdateInfo):
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+
+def _group(address: str, port: int, rank: int, world_size: int, timeout_s: float, listening=None):
+    """vLLM's stateless gloo group; the sender passes the socket its store listens on (`listening`)."""
+    from datetime import timedelta
+
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+    return stateless_init_torch_distributed_process_group(address, port, rank, world_size, backend="gloo",
+                                                          listen_socket=listening,
+                                                          timeout=timedelta(seconds=timeout_s))
+
+
+def _broadcast(group, tensor: torch.Tensor) -> None:
+    # the group's own broadcast (root = group rank 0): torch.distributed.broadcast would want a global rank
+    group.broadcast(tensor, 0).wait()
+
+
+class GlooWeightTransfer(_LayerwiseReload):
+    """The server side of exgrpo_gloo (in vLLM's worker): receives each parameter from the learner's rank 0."""
+
+    init_info_cls = GlooInit
+    update_info_cls = GlooUpdate
+
+    def init_transfer_engine(self, init_info: GlooInit) -> None:
+        super().init_transfer_engine(init_info)
+        p = self.parallel_config
+        rank = init_info.rank_offset + p.data_parallel_index * p.world_size + p.rank  # as vLLM's NCCL backend
+        self.group = _group(init_info.master_address, init_info.master_port, rank, init_info.world_size,
+                            init_info.timeout_s)
+
+    def receive_weights(self, update_info: GlooUpdate) -> None:
+        with torch.no_grad():
+            for name, dtype, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+                _broadcast(self.group, tensor)
+                self.loaded |= set(self.model.load_weights([(name, tensor)]) or ())
+
+    def shutdown(self) -> None:
+        self.group = None
+
+
+@dataclass
+class GlooTrainerInit(TrainerInitInfo):
+    """The learner's side of the group. Its sender tells the servers rank_offset 1; a client over several servers
+    (`exgrpo.rollout.servers.ServerPool`) adds the workers of the servers before each one."""
+
+    backend: ClassVar[str] = GLOO_BACKEND
+
+    master_address: str
+    master_port: int  # 0: a free port
+    world_size: int
+    timeout_s: float = 300.0
+
+
+class GlooTrainerTransfer(TrainerWeightTransferEngine[GlooTrainerInit]):
+    """The learner side: rank 0 forms the group with the servers and broadcasts; the other ranks only iterate the
+    source (under FSDP, its gather is a collective every rank joins)."""
+
+    init_info_cls = GlooTrainerInit
+
+    @classmethod
+    def trainer_init(cls, init_info: GlooTrainerInit, *, client, source: WeightSource | None = None):
+        if source is None:
+            raise ValueError("the gloo weight transfer sends a WeightSource: pass source=")
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+        engine.group = None
+        if engine.is_sender:
+            # the sender's store listens on a socket bound here (port 0: a free one, told to the servers): a
+            # rendezvous under torchrun would join torchrun's own store instead of serving this group's
+            address, info = init_info.master_address, init_info
+            listening = socket.create_server((address, info.master_port))
+            port = listening.getsockname()[1]
+            worker_info = {"master_address": address, "master_port": port, "rank_offset": 1,
+                           "world_size": info.world_size, "timeout_s": info.timeout_s}
+            # the servers' workers block in their rendezvous until the sender joins: both at once
+            engine.group = _alongside(lambda: client.init_weight_transfer_engine(worker_info),
+                                      lambda: _group(address, port, 0, info.world_size, info.timeout_s, listening))
+        return engine
+
+    def send_weights(self) -> None:
+        meta = self.source.metadata()
+        if not self.is_sender:
+            for _ in self.source:
+                pass
+            return
+        update = GlooUpdate([m.name for m in meta], [str(m.dtype).removeprefix("torch.") for m in meta],
+                            [list(m.shape) for m in meta])
+        self.client.start_weight_update()
+        _alongside(lambda: self.client.update_weights(asdict(update)), lambda: self._broadcast_all(meta))
+        self.client.finish_weight_update()
+
+    def _broadcast_all(self, meta) -> None:
+        with torch.no_grad():
+            for (name, tensor), want in zip(self.source, meta, strict=True):
+                if name != want.name or tensor.dtype != want.dtype or tuple(tensor.shape) != want.shape:
+                    raise ValueError(f"the weight source yielded {name} {tensor.dtype} {tuple(tensor.shape)} where "
+                                     f"its metadata declared {want.name} {want.dtype} {want.shape}")
+                _broadcast(self.group, tensor.detach().contiguous())
+
+    def shutdown(self) -> None:
+        self.group = None
+
+
+def _alongside(rpc, local):
+    """Run `rpc` (a call that blocks until the servers finish their side) on a thread while `local` runs here; an
+    error of either is raised, the RPC's first when it failed before the collective could start."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    try:
+        future = pool.submit(rpc)
+        try:
+            result = local()
+        except BaseException:
+            if future.done() and future.exception() is not None:
+                raise future.exception() from None
+            raise
+        future.result()
+        return result
+    finally:
+        pool.shutdown(wait=False)  # never wait on a server stuck in a collective that can no longer complete
+
+
+
+# ---------------------------------------------------------------------------------------------------- workers
 class WorkerExtension:
     """Mixed into vLLM's worker class (`LLM(worker_extension_cls=...)`): importing it registers the backend in the
     engine's process; its methods are called by name through `collective_rpc` and return plain data."""
@@ -122,10 +282,15 @@ def _exit_with(learner: int, engine_core: int) -> None:
 
 
 def register() -> None:
+    """Both backends in vLLM's worker-side factory and gloo in its trainer-side one, once per process
+    (`register_engine` refuses a second registration)."""
     # one "Failed to load weights" per RotaryEmbedding at every push: it has no weights
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
-    if BACKEND not in WeightTransferEngineFactory._registry:  # register_engine refuses a second registration
-        WeightTransferEngineFactory.register_engine(BACKEND, SharedFileTransfer)
+    for backend, engine in ((SHM_BACKEND, SharedFileTransfer), (GLOO_BACKEND, GlooWeightTransfer)):
+        if backend not in WeightTransferEngineFactory._registry:
+            WeightTransferEngineFactory.register_engine(backend, engine)
+    if GLOO_BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(GLOO_BACKEND, GlooTrainerTransfer)
 
 
 register()

@@ -14,8 +14,9 @@ import torch
 from exgrpo.errors import EngineError
 
 
-def pushed_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
-    """The policy's weights under the base model's names, LoRA adapters merged in out of place.
+def pushed_weights(model, merged: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's weights under the base model's names, LoRA adapters merged in out of place (`merged=False`:
+    the base weights in their place, for names, shapes and dtypes without the merge's cost).
 
     Tied aliases are included (`remove_duplicate=False`): without the tied `lm_head.weight`, vLLM's reload left
     SmolLM2's engine 2.8 nats off after a sync (vLLM 0.32). Under FSDP call it inside `sharding.gathered`, where
@@ -31,7 +32,7 @@ def pushed_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
         if ".lora_" in name:
             continue
         name = name.replace(".base_layer.", ".")
-        yield name, _merged(lora[name]) if name in lora else param.detach()  # merged when yielded: one at a time
+        yield name, _merged(lora[name]) if merged and name in lora else param.detach()  # merged when yielded
 
 
 def _merged(module) -> torch.Tensor:

