@@ -3,7 +3,7 @@ tests with `exgrpo serve` and stopped by them, the weights pushed over our gloo 
 interface.
 
 Runs in .venv-vllm (`make test` runs it there, every test in one xdist worker: they share the servers, and the
-last one kills one); skipped where vLLM is not installed.
+last one kills one of them); skipped where vLLM is not installed.
 """
 
 import contextlib
@@ -49,10 +49,11 @@ def _wait_until_up(url: str, process: subprocess.Popen, log, timeout: float = 40
         time.sleep(1)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def servers(tmp_path_factory):
     """Two servers started as the docs start them (`exgrpo serve --config ... --port P`), each a session of its
-    own; afterwards every process of theirs is gone."""
+    own; afterwards every process of theirs is gone. Session-scoped: the xdist worker running this module's tests
+    also runs test_vllm's in between, which would tear a module fixture down and start the servers again."""
     ports = [_free_port(), _free_port()]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     processes, logs = [], []
@@ -164,6 +165,7 @@ def test_a_run_on_two_servers_is_the_in_process_run(tmp_path, servers, full_run)
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_an_async_run_on_two_servers_is_the_async_run_on_its_own_engine(tmp_path, servers, async_run):
     """rollout.mode async against servers: the worker thread samples step t + 1 from the servers while the learner
     trains on step t, as it does with the engine in its own process (test_vllm's async run)."""
