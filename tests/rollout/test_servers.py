@@ -154,6 +154,7 @@ def test_a_server_that_cannot_serve_the_run_is_refused_with_the_reason(servers):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_a_run_on_two_servers_is_the_in_process_run(tmp_path, servers, full_run):
     """Same seeds, same weights, same vLLM kernels: the servers' rollouts are the in-process engine's, so the run
     is the in-process vllm run step for step."""
