@@ -9,7 +9,7 @@ UV := $(VENV)/bin/uv
 UV_INSTALL = $(UV) pip install --quiet \
 	$(addprefix --find-links ,$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 VLLM_VENV := .venv-vllm
-# the tests that need vLLM; those sharing the two `vllm serve` servers run in one xdist worker (loadgroup)
+# the tests that need vLLM (test_servers.py is heavy: it starts two `vllm serve` servers)
 VLLM_TESTS := tests/rollout/test_vllm.py tests/rollout/test_servers.py
 VLLM_STAMP := $(VLLM_VENV)/.installed
 export HF_HUB_OFFLINE := 1
@@ -42,13 +42,13 @@ demo: $(STAMP)
 test:
 	$(MAKE) --no-print-directory -j2 $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q -n 2 --durations=10
-	$(VLLM_VENV)/bin/python -m pytest -q -n 2 --dist loadgroup --durations=10 $(VLLM_TESTS)
+	$(VLLM_VENV)/bin/python -m pytest -q -n 2 --durations=10 $(VLLM_TESTS)
 
 # Whole-system scenarios of ~2 min or more each (marked heavy): CI runs them after `make test` (.ci/run), so that the
 # suite every change pays stays inside its 12 minutes.
 test-heavy:
 	$(MAKE) --no-print-directory -j2 $(STAMP) $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q -n 2 --dist loadgroup --durations=10 -m heavy $(VLLM_TESTS)
+	$(VLLM_VENV)/bin/python -m pytest -q -n 2 --durations=10 -m heavy $(VLLM_TESTS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m "not slow and not exhaustive"
@@ -71,7 +71,7 @@ $(VLLM_STAMP): pyproject.toml constraints-vllm.txt | $(UV)
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q -n 2 --dist loadgroup --durations=10 $(VLLM_TESTS)
+	$(VLLM_VENV)/bin/python -m pytest -q -n 2 --durations=10 $(VLLM_TESTS)
 
 # TRL comparison (bench/trl_process.py, bench/step_time.py) in its own venv, so that .venv never gets trl/datasets.
 BENCH_VENV := .venv-bench

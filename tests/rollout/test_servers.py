@@ -2,8 +2,8 @@
 tests with `exgrpo serve` and stopped by them, the weights pushed over our gloo backend of vLLM's weight-transfer
 interface.
 
-Runs in .venv-vllm (`make test` runs it there, every test in one xdist worker: they share the servers, and the
-last one kills one of them); skipped where vLLM is not installed.
+Runs in .venv-vllm with the heavy tests (`make test-heavy`; CI runs them after `make test`): each xdist worker
+starts its own two servers once, and the last test kills one of them. Skipped where vLLM is not installed.
 """
 
 import contextlib
@@ -26,7 +26,7 @@ from test_vllm import (ENV, ROOT, SAMPLING, _command, _metrics, _parity, _pertur
 from exgrpo.models import load_policy  # noqa: E402
 from exgrpo.rollout.servers import EngineError, ServerEngine, server_refusal  # noqa: E402
 
-pytestmark = pytest.mark.xdist_group("servers")
+pytestmark = pytest.mark.heavy  # two servers take ~90 s to start on 2 cores: CI runs these after `make test`
 
 # what the learner's config says of the servers (`exgrpo serve` reads the same): the in-process runs' settings
 SERVED = ["rollout.max_model_len=128", "rollout.generation_batch_size=16"]
@@ -52,8 +52,8 @@ def _wait_until_up(url: str, process: subprocess.Popen, log, timeout: float = 40
 @pytest.fixture(scope="session")
 def servers(tmp_path_factory):
     """Two servers started as the docs start them (`exgrpo serve --config ... --port P`), each a session of its
-    own; afterwards every process of theirs is gone. Session-scoped: the xdist worker running this module's tests
-    also runs test_vllm's in between, which would tear a module fixture down and start the servers again."""
+    own; afterwards every process of theirs is gone. Session-scoped: a worker running this module's tests also
+    runs test_vllm's in between, which would tear a module fixture down and start the servers again."""
     ports = [_free_port(), _free_port()]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     processes, logs = [], []
@@ -154,7 +154,6 @@ def test_a_server_that_cannot_serve_the_run_is_refused_with_the_reason(servers):
 
 
 @pytest.mark.slow
-@pytest.mark.heavy
 def test_a_run_on_two_servers_is_the_in_process_run(tmp_path, servers, full_run):
     """Same seeds, same weights, same vLLM kernels: the servers' rollouts are the in-process engine's, so the run
     is the in-process vllm run step for step."""
@@ -166,7 +165,6 @@ def test_a_run_on_two_servers_is_the_in_process_run(tmp_path, servers, full_run)
 
 
 @pytest.mark.slow
-@pytest.mark.heavy
 def test_an_async_run_on_two_servers_is_the_async_run_on_its_own_engine(tmp_path, servers, async_run):
     """rollout.mode async against servers: the worker thread samples step t + 1 from the servers while the learner
     trains on step t, as it does with the engine in its own process (test_vllm's async run)."""
@@ -178,7 +176,6 @@ def test_an_async_run_on_two_servers_is_the_async_run_on_its_own_engine(tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.heavy
 def test_two_learner_ranks_on_two_servers_match_one_process(tmp_path, servers, full_run):
     urls, _ = servers
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m"]
@@ -187,7 +184,6 @@ def test_two_learner_ranks_on_two_servers_match_one_process(tmp_path, servers, f
 
 
 @pytest.mark.slow
-@pytest.mark.heavy
 def test_a_learner_killed_mid_run_resumes_against_the_same_servers_exactly(tmp_path, servers, full_run):
     """SIGKILL of the learner after step 3's checkpoint: the servers stay up (the next learner forms a new transfer
     group with them and pushes the resumed weights) and the resumed run ends as the in-process run did."""

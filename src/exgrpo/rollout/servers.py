@@ -164,10 +164,10 @@ class ServerEngine:
     Args:
         model, tokenizer: the learner's policy (possibly peft-wrapped) and its tokenizer.
         urls: the servers' base URLs (http://host:port).
-        backend: the weight-transfer backend the servers run (`exgrpo_gloo` or `nccl`).
+        backend: the weight-transfer backend the servers run (`exgrpo_gloo`, the one built so far).
         dtype: the engine precision the run expects the servers to compute in ("float32" or "bfloat16").
         transfer_address: this host's address as the servers reach it (the transfer group's rendezvous).
-        transfer_port: a free port on it for the rendezvous (0: one is found).
+        transfer_port: the rendezvous port on it (0: a free one, bound by rank 0 and told to the servers).
         max_concurrency: requests in flight per server.
         request_timeout: seconds an HTTP request (a generation included) may take.
         sync_timeout: seconds a weight push may take.
@@ -179,7 +179,9 @@ class ServerEngine:
                  transfer_port: int, max_concurrency: int = 256, request_timeout: float = 3600.0,
                  sync_timeout: float = 120.0):
         check_pushable(model)
-        self.model, self.max_concurrency, self.request_timeout = model, max_concurrency, request_timeout
+        if backend != weight_transfer.GLOO_BACKEND:
+            raise EngineError(f"weight transfer {backend}: only {weight_transfer.GLOO_BACKEND} is built so far")
+        self.max_concurrency, self.request_timeout = max_concurrency, request_timeout
         eos = tokenizer.eos_token_id
         self.eos_ids = sorted(set(eos if isinstance(eos, list) else [eos]))
         self.rank = torch.distributed.get_rank() if _launched() else 0
@@ -187,8 +189,6 @@ class ServerEngine:
         self.transfer = self.weights_version = None
         try:
             self.max_model_len = self._check_servers(backend, dtype)
-            if backend != weight_transfer.GLOO_BACKEND:
-                raise EngineError(f"weight transfer {backend}: only {weight_transfer.GLOO_BACKEND} is built so far")
             init = weight_transfer.GlooTrainerInit(transfer_address, transfer_port, 1 + sum(self.servers.world_sizes),
                                                  timeout_s=sync_timeout, rank=self.rank)
             self.transfer = WeightTransferTrainerFactory.trainer_init(init, client=self.servers,
