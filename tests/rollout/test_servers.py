@@ -16,7 +16,7 @@ import time
 
 import pytest
 import requests
-from conftest import alive, descendants, kill_the_learner_only, wait_for_checkpoint
+from conftest import _shared_memory_of, alive, descendants, kill_the_learner_only, wait_for_checkpoint
 
 pytest.importorskip("vllm")
 
@@ -64,9 +64,12 @@ def servers(tmp_path_factory):
              "rollout.engine=servers", f"rollout.servers={','.join(urls)}", *SERVED, "--port", str(port)],
             cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         logs.append(log)
+    shared: set[str] = set()
     try:
         for url, process, log in zip(urls, processes, logs):
             _wait_until_up(url, process, log)
+        # vLLM's message queues, which a server killed with SIGKILL (the last test) cannot unlink
+        shared = _shared_memory_of(set().union(*(descendants(p.pid) | {p.pid} for p in processes)))
         yield urls, processes
     finally:
         left = set().union(*(descendants(p.pid) | {p.pid} for p in processes))
@@ -84,6 +87,9 @@ def servers(tmp_path_factory):
         while any(alive(pid) for pid in left) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not [pid for pid in left if alive(pid)], "server processes outlived the servers"
+        for segment in shared:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(segment)
 
 
 @pytest.fixture(scope="module")
