@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import importlib
 import json
+import math
 import os
 import signal
 import socket
@@ -99,18 +100,11 @@ def push_times(urls: list[str], pushes: int) -> dict:
             times.append(time.perf_counter() - start)
     finally:
         engine.close()
-    gigabytes = sum(m.dtype.itemsize * _numel(m.shape) for m in PolicyWeights(model).metadata()) / 1e9
+    gigabytes = sum(m.dtype.itemsize * math.prod(m.shape) for m in PolicyWeights(model).metadata()) / 1e9
     median = statistics.median(times)
     return {"bench": "servers", "measure": "push", "servers": len(urls), "gigabytes": round(gigabytes, 3),
             "median_push_s": round(median, 2), "s_per_gb": round(median / gigabytes, 2),
             "pushes_s": [round(t, 2) for t in times]}
-
-
-def _numel(shape) -> int:
-    n = 1
-    for size in shape:
-        n *= size
-    return n
 
 
 LAYOUTS = {
