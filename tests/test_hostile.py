@@ -278,6 +278,9 @@ CASES = {  # name: (case, exit code, message on stderr)
                                                 "no rollout of the first 5 steps reached"),
     "async with the hf engine, refused before loading": (lambda d: train(d, "rollout.mode=async"), 2,
                                                         "needs an engine with its own copy of the weights"),
+    "async with the vllm engine under torchrun, refused before loading": (
+        lambda d: train(d, "rollout.mode=async", "rollout.engine=vllm", env={"WORLD_SIZE": "2"}), 2,
+        "rollout.mode async under torchrun needs an engine that rank 0 alone drives"),
     "threshold above the declared range": (lambda d: train(d, "reward.success_threshold=2"), 2,
                                            "reward.success_threshold (2.0) must lie in"),
     "skipped updates beyond the budget": (lambda d: train(d, "train.skip_grad_norm=1e-12",

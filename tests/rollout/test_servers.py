@@ -182,11 +182,18 @@ def test_an_async_run_on_two_servers_is_the_async_run_on_its_own_engine(tmp_path
 
 
 @pytest.mark.slow
-def test_two_learner_ranks_on_two_servers_match_one_process(tmp_path, servers, full_run):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_two_learner_ranks_on_two_servers_match_one_process(tmp_path, servers, mode, request):
+    """sync: each rank samples its shard; async: rank 0 samples, pushes a snapshot every rank helped gather, and
+    hands the rollouts to the other rank."""
     urls, _ = servers
+    one_process = request.getfixturevalue("full_run" if mode == "sync" else "async_run")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m"]
-    _train(_servers_run(tmp_path / "fsdp", urls, "train.steps=2", "train.sharding=fsdp", launcher=torchrun))
-    _same_run(_metrics(tmp_path / "fsdp"), full_run[1][:2], loss_rel=1e-3, loss_abs=1e-5)
+    _train(_servers_run(tmp_path / "fsdp", urls, f"rollout.mode={mode}", "train.steps=2", "train.sharding=fsdp",
+                        "train.check_replicas=true", launcher=torchrun))
+    metrics = _metrics(tmp_path / "fsdp")
+    _same_run(metrics, one_process[1][:2], loss_rel=1e-3, loss_abs=1e-5)
+    assert all(m["replicas/count"] == 2 for m in metrics)
 
 
 @pytest.mark.slow

@@ -4,6 +4,11 @@ ExGRPO's rules under asynchrony, and failures that stop the run instead of hangi
 
 import copy
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -261,3 +266,39 @@ def test_the_learners_weights_are_left_as_they_are_while_an_async_engine_evaluat
     _TRAINERS.append(trainer)
     _run(trainer)
     assert len(engine.seen) >= 4 and all(dtypes == {torch.float32} for dtypes in engine.seen), engine.seen
+
+
+def _async_ranks(*args, ranks: int = 1):
+    """tests/training/async_ranks.py in one process or under torchrun; its metrics without wall times."""
+    script = Path(__file__).with_name("async_ranks.py")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)] \
+        if ranks > 1 else [sys.executable]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([*launcher, str(script), *map(str, args)], capture_output=True, text=True, env=env,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = (Path(args[0]) / "metrics.jsonl").read_text().splitlines()
+    timings = ("time", "time/", "tokens_per_second", "async/engine_idle", "async/learner_idle")
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(timings)} for line in lines]
+
+
+@pytest.mark.slow
+def test_two_learner_ranks_in_async_mode_are_the_one_process_run_and_resume_with_the_steps_in_flight(tmp_path):
+    """Under torchrun rank 0 alone drives the engine: every rank joins the gather of each push, rank 0 sends a
+    snapshot of it and hands the rollouts to the other rank, whose buffer stays the same (check_replicas)."""
+    one = _async_ranks(tmp_path / "one", 4)
+    two = _async_ranks(tmp_path / "two", 4, ranks=2)
+    assert one[-1]["phase"] == MIXED and all(m["replicas/count"] == 2 for m in two)
+    for a, b in zip(two, one, strict=True):
+        for key in ("reward", "experience/replayed", "experience/trajectories", "phase", "async/staleness_max"):
+            assert a[key] == b[key], (a["step"], key)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
+    # as a kill after the checkpoint of step 2 leaves it: the checkpoint holds the rollouts of the step after
+    shutil.copytree(tmp_path / "two", tmp_path / "resumed")
+    checkpoints = tmp_path / "resumed" / "checkpoints"
+    for later in ("step-000003", "step-000004"):
+        shutil.rmtree(checkpoints / later)
+    assert [s["step"] for s in json.loads((checkpoints / "step-000002" / "trainer.json").read_text())["in_flight"]] \
+        == [2]
+    resumed = _async_ranks(tmp_path / "resumed", 4, checkpoints / "step-000002", ranks=2)
+    _same_numbers(resumed, two)

@@ -14,7 +14,9 @@ from exgrpo.errors import ConfigError
 #: model loads for a run built from its config (training/launch.py), and by the trainer for an engine passed to it.
 ASYNC_NEEDS_ITS_OWN_ENGINE = ("rollout.mode async needs an engine with its own copy of the weights (rollout.engine "
                               "vllm or servers): the hf engine samples from the weights the learner is updating")
-ASYNC_IN_ONE_PROCESS = "rollout.mode async runs in one process for now: use rollout.mode sync under torchrun"
+ASYNC_ACROSS_RANKS_NEEDS_SERVERS = ("rollout.mode async under torchrun needs an engine that rank 0 alone drives "
+                                    "(rollout.engine servers; docs/scale.md): the vllm engine in its own process "
+                                    "serves one learner process")
 
 
 def validate(cfg, given: set[str] | None = None) -> None:

@@ -62,7 +62,8 @@ class RolloutEngine(Protocol):
         """Load the learner's current weights, now at `version` (applied optimizer steps), before returning. The
         rollout source calls it after every update that changed the weights and after a resume. An engine holding
         a copy reports the version it holds as `weights_version`, which the generation stage checks against the
-        learner's."""
+        learner's. An engine whose `takes_snapshots` is True also takes `push_weights(version, weights)`, the
+        weights a `copied_weights` snapshot (async mode under torchrun pushes so, from rank 0 alone)."""
         ...
 
     def close(self) -> None:

@@ -9,9 +9,10 @@ weight-transfer interface (docs/scale.md).
   over every server at once. Each push pauses the servers, sends the learner's `pushed_weights` (LoRA merged),
   labels them with the version, reads the version back from every server and asks every server which parameters
   it did not load, then resumes them.
-* Under torchrun every rank builds the engine and samples its shard from the servers; rank 0 alone sends the
-  weights, and the push ends with every rank waiting for it (a barrier), so no rank samples before the servers
-  hold the new version.
+* Under torchrun every rank builds the engine. In sync mode each rank samples its shard from the servers; rank 0
+  alone sends the weights, and the push ends with every rank waiting for it (a barrier), so no rank samples before
+  the servers hold the new version. In async mode rank 0 alone samples and pushes, from its worker thread, a
+  snapshot of the weights every rank helped gather (`push_weights(version, weights)`).
 
 The servers must run with the flags `exgrpo serve` assembles (`exgrpo.rollout.serve`), including
 `VLLM_SERVER_DEV_MODE=1` for the weight-transfer and RPC routes; the engine reads each server's configuration
@@ -146,16 +147,18 @@ class ServerPool:
 class PolicyWeights(WeightSource):
     """The learner's `pushed_weights` as vLLM's `WeightSource`: `metadata()` from the parameters' own shapes and
     dtypes (a merged LoRA weight has its base's), iteration merging as it goes. Under FSDP it is iterated inside
-    the learner's full-weights context, where parameters are whole."""
+    the learner's full-weights context, where parameters are whole. While `held` is set (a `copied_weights`
+    snapshot), it is the source instead of the model."""
 
     def __init__(self, model):
-        self.model = model
+        self.model, self.held = model, None
 
     def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in pushed_weights(self.model, merged=False)]
+        weights = self.held if self.held is not None else pushed_weights(self.model, merged=False)
+        return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in weights]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return pushed_weights(self.model)
+        return iter(self.held) if self.held is not None else pushed_weights(self.model)
 
 
 class ServerEngine:
@@ -174,6 +177,7 @@ class ServerEngine:
     """
 
     holds_copy = True
+    takes_snapshots = True  # push_weights(version, weights): async mode under torchrun needs it
 
     def __init__(self, model, tokenizer, urls: Sequence[str], *, backend: str, dtype: str, transfer_address: str,
                  transfer_port: int, max_concurrency: int = 256, request_timeout: float = 3600.0,
@@ -191,8 +195,8 @@ class ServerEngine:
             self.max_model_len = self._check_servers(backend, dtype)
             init = weight_transfer.GlooTrainerInit(transfer_address, transfer_port, 1 + sum(self.servers.world_sizes),
                                                  timeout_s=sync_timeout, rank=self.rank)
-            self.transfer = WeightTransferTrainerFactory.trainer_init(init, client=self.servers,
-                                                                      source=PolicyWeights(model))
+            self.source = PolicyWeights(model)
+            self.transfer = WeightTransferTrainerFactory.trainer_init(init, client=self.servers, source=self.source)
             self.push_weights(0)  # the servers may have started from other weights
         except BaseException:
             self.close()
@@ -207,18 +211,25 @@ class ServerEngine:
                 raise EngineError(f"the vLLM server {url} {refusal}")
         return min(int(config["model_config"]["max_model_len"]) for config in configs)
 
-    def push_weights(self, version: int) -> None:
+    def push_weights(self, version: int, weights: list[tuple[str, torch.Tensor]] | None = None) -> None:
         """Send the learner's current weights to every server (rank 0; the other ranks join the gather and wait),
-        labelled `version`, and confirm every server holds them."""
-        if self.rank == 0:
-            self.servers.pause()
+        labelled `version`, and confirm every server holds them. Given `weights` (a `copied_weights` snapshot, on
+        rank 0), rank 0 sends those alone: no other rank takes part."""
+        if self.rank != 0:
+            if weights is not None:
+                raise ValueError("a snapshot of the weights is pushed by rank 0 alone")
             self.transfer.send_weights()
+        else:
+            self.servers.pause()
+            self.source.held = weights
+            try:
+                self.transfer.send_weights()
+            finally:
+                self.source.held = None
             self.servers.label(str(version))
             self._confirm(version)
             self.servers.resume()
-        else:
-            self.transfer.send_weights()
-        if _launched():
+        if weights is None and _launched():
             torch.distributed.barrier()
         self.weights_version = version
 

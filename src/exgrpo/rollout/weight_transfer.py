@@ -216,7 +216,7 @@ class GlooTrainerTransfer(TrainerWeightTransferEngine[GlooTrainerInit]):
                 if name != want.name or tensor.dtype != want.dtype or tuple(tensor.shape) != want.shape:
                     raise ValueError(f"the weight source yielded {name} {tensor.dtype} {tuple(tensor.shape)} where "
                                      f"its metadata declared {want.name} {want.dtype} {want.shape}")
-                _broadcast(self.group, tensor.detach().contiguous())
+                _broadcast(self.group, tensor.detach().to("cpu").contiguous())  # gloo: host memory
 
     def shutdown(self) -> None:
         self.group = None

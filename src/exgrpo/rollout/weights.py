@@ -35,6 +35,12 @@ def pushed_weights(model, merged: bool = True) -> Iterator[tuple[str, torch.Tens
         yield name, _merged(lora[name]) if merged and name in lora else param.detach()  # merged when yielded
 
 
+def copied_weights(model) -> list[tuple[str, torch.Tensor]]:
+    """`pushed_weights` copied to CPU memory: a snapshot a later push can send while the learner goes on updating
+    its own weights (under FSDP, take it inside `sharding.gathered`)."""
+    return [(name, tensor.to("cpu", copy=True)) for name, tensor in pushed_weights(model)]
+
+
 def _merged(module) -> torch.Tensor:
     """A LoRA layer's base weight plus its active adapters' deltas (peft's own: fan_in_fan_out layers transposed),
     in the weight's own precision whatever the caller's autocast (the push runs in another thread)."""

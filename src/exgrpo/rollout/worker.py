@@ -60,11 +60,13 @@ class RolloutWorker:
 
         return self._submit(run)
 
-    def push(self, version: int) -> concurrent.futures.Future:
+    def push(self, version: int, weights: list | None = None) -> concurrent.futures.Future:
         """Load the learner's weights, now at `version`, into the engine (`engine.push_weights`) once every
         earlier call is done. The push reads the learner's weights on the worker thread: the learner must not
-        change them until this future is done (`wait`)."""
-        return self._submit(lambda: self.engine.push_weights(version))
+        change them until this future is done (`wait`), unless `weights` is a snapshot of them to send instead."""
+        if weights is None:
+            return self._submit(lambda: self.engine.push_weights(version))
+        return self._submit(lambda: self.engine.push_weights(version, weights))
 
     def wait(self, future: concurrent.futures.Future, what: str):
         """The result of `future`, counting the wait as learner idle time; an EngineError past `timeout`."""

@@ -53,6 +53,14 @@ class Distributed:
         dist.all_gather_object(out, items)
         return [x for part in out for x in part]
 
+    def broadcast(self, item: Any = None) -> Any:
+        """Rank 0's `item` on every rank (the others' is ignored)."""
+        if not self.enabled:
+            return item
+        box = [item]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def all_true(self, flag: bool) -> bool:
         return all(self.gather([flag]))
 

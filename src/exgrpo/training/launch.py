@@ -13,7 +13,7 @@ import torch
 
 from exgrpo.runtime.checkpoint import latest_intact_checkpoint, read_trainer_json, step_dirs
 from exgrpo.config import ConfigError, ExGRPOConfig, config_changes
-from exgrpo.config.rules import ASYNC_IN_ONE_PROCESS, ASYNC_NEEDS_ITS_OWN_ENGINE
+from exgrpo.config.rules import ASYNC_ACROSS_RANKS_NEEDS_SERVERS, ASYNC_NEEDS_ITS_OWN_ENGINE
 from exgrpo.data import conflicting_answers, load_questions, split_holdout
 from exgrpo.runtime.distributed import close_distributed, launched_rank
 from exgrpo.errors import CheckpointError, ExgrpoWarning, Shutdown
@@ -83,8 +83,8 @@ def _refuse_async_without_its_engine(config: ExGRPOConfig) -> None:
         return
     if config.rollout.engine == "hf":
         raise ConfigError(ASYNC_NEEDS_ITS_OWN_ENGINE)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ConfigError(ASYNC_IN_ONE_PROCESS)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and config.rollout.engine != "servers":
+        raise ConfigError(ASYNC_ACROSS_RANKS_NEEDS_SERVERS)
 
 
 def _warn_conflicting_answers(source: str, questions) -> None:

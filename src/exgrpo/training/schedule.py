@@ -24,10 +24,12 @@ from typing import Callable, ContextManager, Iterator, Protocol
 import numpy as np
 
 from exgrpo.data import Question
+from exgrpo.errors import EngineError
 from exgrpo.experience import Trajectory
 from exgrpo.records import Group, Member
 from exgrpo.rollout import RolloutEngine, Rollouts
 from exgrpo.rollout.worker import RolloutWorker, Sampled
+from exgrpo.runtime.distributed import Distributed
 from exgrpo.runtime.timing import StageTimer
 from exgrpo.training.experience import PlannedStep
 from exgrpo.training.generation import GenerationRounds
@@ -104,19 +106,38 @@ class InlineSource:
 
 class ThreadedSource:
     """rollout.mode async: `worker` samples submitted steps in the background, in order with the weight pushes.
-    A push reads the learner's weights on the worker thread, so the learner waits for it (`weights_read`) before
-    changing them."""
 
-    def __init__(self, worker: RolloutWorker, generation: GenerationRounds):
-        self.worker, self.generation, self._push = worker, generation, None
+    One learner process: a push reads the learner's weights on the worker thread, so the learner waits for it
+    (`weights_read`) before changing them. Under torchrun the worker runs on rank 0 alone (`worker` is None on the
+    others): at a push every rank joins the gather of the full weights (`full_weights`), rank 0 keeps a copy
+    (`snapshot`) that its worker sends, and rank 0 hands each step's rollouts to the other ranks. An engine error
+    raised on rank 0 ends the run; torchrun stops the other ranks.
+    """
+
+    def __init__(self, worker: RolloutWorker | None, generation: GenerationRounds,
+                 distributed: Distributed = Distributed(),
+                 full_weights: Callable[[], ContextManager] = contextlib.nullcontext,
+                 snapshot: Callable[[], list] | None = None):
+        if (worker is None) == distributed.is_main:
+            raise ValueError("the rollout worker runs on rank 0, and only there")
+        self.worker, self.generation, self.dist, self._push = worker, generation, distributed, None
+        self.full_weights, self.snapshot = full_weights, snapshot
 
     def submit(self, planned: PlannedStep) -> Wait:
+        if self.worker is None:
+            return self.dist.broadcast  # rank 0's rollouts
         prompts, seeds = self.generation.requests(planned.groups, planned.step)
         future = self.worker.generate(prompts, self.generation.sampling, seeds)
-        return lambda: self.worker.wait(future, f"the rollouts of step {planned.step}")
+        return lambda: self.dist.broadcast(self.worker.wait(future, f"the rollouts of step {planned.step}"))
 
     def push(self, version: int) -> None:
-        self._push = self.worker.push(version)
+        if not self.dist.enabled:
+            self._push = self.worker.push(version)
+            return
+        with self.full_weights():
+            weights = self.snapshot() if self.worker else None
+        if self.worker:
+            self._push = self.worker.push(version, weights)
 
     def weights_read(self) -> None:
         if self._push is not None:
@@ -124,19 +145,39 @@ class ThreadedSource:
             self._push = None
 
     def begin_step(self) -> None:
-        self.worker.take_times()
+        if self.worker:
+            self.worker.take_times()
 
     def step_metrics(self, groups: list[Group], version: int) -> dict[str, float]:
-        return {**staleness_metrics(groups, version), **self.worker.take_times()}
+        return {**staleness_metrics(groups, version), **(self.worker.take_times() if self.worker else {})}
 
     @contextlib.contextmanager
     def evaluation_engine(self) -> Iterator[RolloutEngine]:
         # the engine samples from its own copy; a push queued before the evaluation reads the learner's weights
         # from the worker thread meanwhile, so they stay as they are (no context changes them)
-        yield self.worker.as_engine()
+        yield _FromRankZero(self.worker.as_engine() if self.worker else None, self.dist)
 
     def close(self) -> None:
-        self.worker.close()  # its thread first: it may still be sampling a step the run will not reach
+        if self.worker:
+            self.worker.close()  # its thread first: it may still be sampling a step the run will not reach
+
+
+class _FromRankZero:
+    """A RolloutEngine whose samples come from `engine` on rank 0 (None on the other ranks), handed to every rank."""
+
+    holds_copy = True
+
+    def __init__(self, engine: RolloutEngine | None, distributed: Distributed):
+        self.engine, self.dist = engine, distributed
+
+    def generate(self, prompt_ids, sampling, seeds) -> Rollouts:
+        return self.dist.broadcast(self.engine.generate(prompt_ids, sampling, seeds) if self.engine else None)
+
+    def push_weights(self, version: int) -> None:
+        raise EngineError("weights reach an asynchronous engine through RolloutWorker.push")
+
+    def close(self) -> None:
+        pass
 
 
 class Schedule:

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from exgrpo.config import ConfigError, ExGRPOConfig
-from exgrpo.config.rules import ASYNC_IN_ONE_PROCESS, ASYNC_NEEDS_ITS_OWN_ENGINE
+from exgrpo.config.rules import ASYNC_ACROSS_RANKS_NEEDS_SERVERS, ASYNC_NEEDS_ITS_OWN_ENGINE
 from exgrpo.data import PromptEncoder, Question, drop_long_prompts
 from exgrpo.errors import Shutdown
 from exgrpo.evaluation.contamination import screen_benchmark_questions
@@ -49,6 +49,7 @@ from exgrpo.rewards.health import RewardHealth
 from exgrpo.rewards.scorer import GroupScorer
 from exgrpo.rollout import RolloutEngine, SamplingSettings, build_engine, derive_seed
 from exgrpo.rollout.parity import ParityProbe
+from exgrpo.rollout.weights import copied_weights
 from exgrpo.rollout.worker import RolloutWorker
 from exgrpo.runtime.atomic import write_text_atomic
 from exgrpo.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -117,14 +118,16 @@ class ExGRPOTrainer:
 
     def _rollout_source(self) -> RolloutSource:
         """Where rollouts are sampled, chosen once: inline (sync), or on a worker thread, `max_staleness` steps
-        ahead (async; docs/async.md)."""
+        ahead (async; docs/async.md): rank 0's under torchrun, sampling from servers (docs/scale.md)."""
         if self.config.rollout.mode == "sync":
             return InlineSource(self.generation, self.learner.full_weights)
         if not self.engine.holds_copy:
             raise ConfigError(ASYNC_NEEDS_ITS_OWN_ENGINE)
-        if self.dist.world_size > 1:
-            raise ConfigError(ASYNC_IN_ONE_PROCESS)
-        return ThreadedSource(RolloutWorker(self.engine, self.config.rollout.generation_timeout), self.generation)
+        if self.dist.enabled and not getattr(self.engine, "takes_snapshots", False):
+            raise ConfigError(ASYNC_ACROSS_RANKS_NEEDS_SERVERS)
+        worker = RolloutWorker(self.engine, self.config.rollout.generation_timeout) if self.dist.is_main else None
+        return ThreadedSource(worker, self.generation, self.dist, self.learner.full_weights,
+                              functools.partial(copied_weights, self.model))
 
     def _screen(self, questions: Sequence[Question], which: str) -> list[Question]:
         """The questions the run may use: benchmark test questions handled as data.benchmark_overlap says, and,
