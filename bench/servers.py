@@ -13,7 +13,8 @@ them: steps 2.., rollouts per second, idle shares from `async/learner_idle` and 
 mode `time/rollout` and the rest of the step):
 * one engine, async s = 1: the vLLM engine in processes of the learner's own (rollout.engine vllm);
 * two servers, async s = 1: one learner process;
-* two servers, sync: two learner ranks (torchrun, FSDP), each sampling its shard from both servers.
+* two servers, sync: two learner ranks (torchrun, FSDP), each sampling its shard from both servers;
+* two servers, async s = 1: two learner ranks, rank 0 sampling for both (docs/scale.md).
 On 2 cores the servers, the engine and the learner share the same two cores, so the layouts say what the code
 costs, not what separate machines would gain. The tiny preset is not measured: vLLM's CPU attention needs heads of
 32 or more dimensions and its heads have 16.
@@ -111,6 +112,7 @@ LAYOUTS = {
     "one engine, async s=1": (["rollout.engine=vllm", "rollout.mode=async", "rollout.max_staleness=1"], 1),
     "two servers, async s=1": (["rollout.mode=async", "rollout.max_staleness=1"], 1),
     "two servers, sync, two ranks": (["train.sharding=fsdp"], 2),
+    "two servers, async s=1, two ranks": (["rollout.mode=async", "rollout.max_staleness=1", "train.sharding=fsdp"], 2),
 }
 
 
