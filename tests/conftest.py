@@ -84,6 +84,17 @@ def _shared_memory_of(pids) -> set[str]:
     return found
 
 
+def orphaned_semaphores(since: float) -> list[Path]:
+    """multiprocessing's named semaphores (/dev/shm/sem.mp-*) made at or after `since` (epoch seconds) that no
+    live process has mapped: a process killed with SIGKILL together with its resource tracker leaves them. One in
+    use is mapped by every process using it, so these are garbage."""
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            mapped |= {line.split(None, 5)[5] for line in maps.read_text().splitlines() if " /dev/shm/sem." in line}
+    return [p for p in Path("/dev/shm").glob("sem.mp-*") if str(p) not in mapped and p.stat().st_mtime >= since]
+
+
 def trained_once(tmp_path_factory, name: str, train: Callable[[Path], object]) -> Path:
     """The run directory `name`, trained by `train(directory)` once per test session, by whichever xdist worker
     asks first (a module or session fixture is per worker, so each worker would train its own)."""

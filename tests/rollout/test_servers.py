@@ -16,7 +16,8 @@ import time
 
 import pytest
 import requests
-from conftest import _shared_memory_of, alive, descendants, kill_the_learner_only, wait_for_checkpoint
+from conftest import _shared_memory_of, alive, descendants, kill_the_learner_only, orphaned_semaphores, \
+    wait_for_checkpoint
 
 pytest.importorskip("vllm")
 
@@ -56,7 +57,7 @@ def servers(tmp_path_factory):
     runs test_vllm's in between, which would tear a module fixture down and start the servers again."""
     ports = [_free_port(), _free_port()]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    processes, logs = [], []
+    processes, logs, started = [], [], time.time()
     for port in ports:
         log = open(tmp_path_factory.mktemp("server") / "log", "w+")
         processes.append(subprocess.Popen(
@@ -87,7 +88,8 @@ def servers(tmp_path_factory):
         while any(alive(pid) for pid in left) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not [pid for pid in left if alive(pid)], "server processes outlived the servers"
-        for segment in shared:
+        # and the semaphores of the killed server, which its resource tracker died before unlinking
+        for segment in [*shared, *orphaned_semaphores(started)]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(segment)
 
