@@ -1,5 +1,6 @@
 """Tests for the evaluation protocol: benchmark registry and loaders, graders on the real golds, metrics, CLI."""
 
+import dataclasses
 import json
 import math
 import random
@@ -10,13 +11,16 @@ import pytest
 from conftest import run_cli
 
 from exgrpo.cli import main
+from exgrpo.config import ExGRPOConfig
 from exgrpo.data import Question
 from exgrpo.errors import ExgrpoWarning
 from exgrpo.evaluation import (EvalProtocol, avg_at_k, benchmark_metrics, evaluate_accuracy, evaluate_questions,
                                extract_answer, grader_for, grading_text, mean_pass_at_k, pass_at_k, report_ks)
 from exgrpo.evaluation.benchmarks import BENCHMARKS, ENV_DATA, load_benchmarks, resolve_benchmarks
 from exgrpo.evaluation.evaluate import group_averages, markdown_table
+from exgrpo.records import Group, Member
 from exgrpo.rewards import GradingPool, MathReward
+from exgrpo.rewards.scorer import GroupScorer
 from exgrpo.rollout import SamplingSettings, derive_seed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -272,6 +276,27 @@ def test_evaluate_accuracy_grades_with_the_reward_functions(scripted_engine):
     assert [c[0] for c in engine.calls] == [12]  # one engine call; the same seeds as evaluate_questions
     assert engine.calls[0][2] == [derive_seed(5, i, s) for i in range(3) for s in range(4)]
     assert str(accuracy) == "50.0% ± 0.0 (n=3×4)"
+
+
+def right_but_cut_on_even_samples(prompt_ids, n):
+    """Answers question "q<i>" with \\boxed{<i>}, cut at the token cap (no EOS) on its even samples."""
+    prompt = "".join(map(chr, prompt_ids))
+    return [ord(ch) for ch in "\\boxed{%s}" % prompt[1:-1]], n % 2 == 0
+
+
+@pytest.mark.parametrize("truncated", ["grade", "fail"])
+def test_reward_truncated_fail_scores_a_cut_completion_as_wrong_in_training_and_evaluation(scripted_engine, truncated):
+    reward = dataclasses.replace(ExGRPOConfig().reward, truncated=truncated, workers=0)
+    scorer = GroupScorer.from_config([MathReward()], EchoTokenizer(), reward)
+    questions = [Question(f"h/{i}", ({"role": "user", "content": f"q{i}"},), str(i), {}) for i in range(3)]
+    groups = [Group(q, [0], [Member([ord(c) for c in f"\\boxed{{{i}}}"], truncated=k % 2 == 0) for k in range(4)])
+              for i, q in enumerate(questions)]
+    accuracy = evaluate_accuracy(scripted_engine(right_but_cut_on_even_samples), EchoTokenizer(), questions,
+                                 scorer.reward_funcs, SamplingSettings(16), samples=4, seed=5,
+                                 truncated_reward=scorer.truncated_reward)
+    expected = [1.0, 1.0, 1.0, 1.0] if truncated == "grade" else [0.0, 1.0, 0.0, 1.0]
+    assert scorer(groups, step=1).total.tolist() == [expected] * 3
+    assert accuracy.mean == np.mean(expected)
 
 
 # --- the command line --------------------------------------------------------------------------------------------

@@ -160,6 +160,10 @@ class RewardConfig:
     are warned about, naming the function."""
     max_value: float = 1.0
     """Upper end of that range; success_threshold must lie in (min_value, max_value]."""
+    truncated: Literal["grade", "fail"] = "grade"
+    """A completion cut at rollout.max_completion_length (no EOS), in training and in the held-out evaluation:
+    grade = graded like any other (released); fail = scores min_value whatever it says, since its last number may
+    belong to an unfinished line ("2 + 0 =" read as 2)."""
 
 
 @dataclass

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
+
 from exgrpo.data import PromptEncoder, Question
 from exgrpo.evaluation.sampling import sample_completions
 from exgrpo.rewards import score_completions
@@ -26,10 +28,12 @@ class Accuracy:
 
 def evaluate_accuracy(engine: RolloutEngine, tokenizer, questions: Sequence[Question], reward_funcs: Sequence[Callable],
                       sampling: SamplingSettings, samples: int, seed: int, success_threshold: float = 1.0,
-                      prompt_ids_of: Callable[[Question], list[int]] | None = None) -> Accuracy:
+                      prompt_ids_of: Callable[[Question], list[int]] | None = None,
+                      truncated_reward: float | None = None) -> Accuracy:
     """avg@samples, graded by the reward functions (weights 1), with its standard error over questions.
 
-    `prompt_ids_of` renders a question's prompt (default: its chat template, as `exgrpo.data.PromptEncoder`).
+    `prompt_ids_of` renders a question's prompt (default: its chat template, as `exgrpo.data.PromptEncoder`); a
+    truncated completion scores `truncated_reward` when given, as in training (reward.truncated fail).
     """
     if not questions:
         raise ValueError("no held-out questions to evaluate")
@@ -41,6 +45,8 @@ def evaluate_accuracy(engine: RolloutEngine, tokenizer, questions: Sequence[Ques
     prompts = [tokenizer.decode(prompt_ids[i]) for i, _ in out.requests]
     total, _ = score_completions(reward_funcs, [1.0] * len(reward_funcs), prompts, completions, out.completion_ids,
                                  rows)
+    if truncated_reward is not None:
+        total[np.asarray(out.truncated, dtype=bool)] = truncated_reward
     correct = (total >= success_threshold).reshape(len(questions), samples).astype(float)
     per_question = correct.mean(axis=1)
     n = len(questions)

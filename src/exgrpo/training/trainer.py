@@ -45,7 +45,6 @@ from exgrpo.learner.learner import Learner, loss_settings
 from exgrpo.models import save_policy
 from exgrpo.records import MIXED
 from exgrpo.rewards import GradingPool
-from exgrpo.rewards.health import RewardHealth
 from exgrpo.rewards.scorer import GroupScorer
 from exgrpo.rollout import RolloutEngine, SamplingSettings, build_engine, derive_seed
 from exgrpo.rollout.parity import ParityProbe
@@ -102,8 +101,8 @@ class ExGRPOTrainer:
             (len(self.prompt_ids(q)) for q in [*train_dataset, *self.eval_dataset]), default=0))
         self.experience = Experience(c, train_dataset, self.prompt_ids, tokenizer, score=self._score_candidates)
         self.learner = Learner.from_config(model, c, self.dist)
-        self.scorer = GroupScorer(reward_funcs, tokenizer, RewardHealth.from_config(c.reward),
-                                  reward_weights=reward_weights, grading_pool=grading_pool, distributed=self.dist)
+        self.scorer = GroupScorer.from_config(reward_funcs, tokenizer, c.reward, reward_weights=reward_weights,
+                                              grading_pool=grading_pool, distributed=self.dist)
         self.generation = GenerationRounds.from_config(c, self.engine, self.scorer, distributed=self.dist,
                                                        weights=self.learner.rollout_weights)
         self.source = self._rollout_source()
@@ -253,7 +252,8 @@ class ExGRPOTrainer:
         with self.source.evaluation_engine() as engine:
             return evaluate_accuracy(engine, self.tokenizer, questions, self.scorer.reward_funcs, sampling,
                                      c.eval.samples, seed=derive_seed(c.train.seed, self.step, 4),
-                                     success_threshold=c.reward.success_threshold, prompt_ids_of=self.prompt_ids)
+                                     success_threshold=c.reward.success_threshold, prompt_ids_of=self.prompt_ids,
+                                     truncated_reward=self.scorer.truncated_reward)
 
     def close(self) -> None:
         """Stop the rollout source (async: its worker thread) and release the engine; no training afterwards."""
