@@ -120,8 +120,6 @@ def _rollout_rules(cfg, given: set[str]):
         f"rollout.kv_cache_gb must be null or > 0 (got {ro.kv_cache_gb})"
     yield _positive("rollout.sync_timeout", ro.sync_timeout)
     yield _positive("rollout.generation_timeout", ro.generation_timeout)
-    yield ro.mode == "async" or ro.engine == "servers" or not _set_any(given, "rollout.generation_timeout"), \
-        "rollout.generation_timeout applies to rollout.mode async and rollout.engine servers only"
     yield from _server_rules(ro, given)
     yield _at_least("rollout.parity_every", ro.parity_every, 0)
     yield ro.parity_threshold is None or ro.parity_threshold > 0, \
@@ -142,9 +140,16 @@ def _rollout_rules(cfg, given: set[str]):
         "rollout.max_generation_rounds applies to rollout.zero_variance backfill or replace_from_buffer only"
     yield ro.zero_variance != "replace_from_buffer" or e.ratio > 0, \
         "rollout.zero_variance replace_from_buffer needs a buffer: experience.ratio must be > 0"
+    yield from _async_rules(ro, o, given)
+
+
+def _async_rules(ro, o, given: set[str]):
+    """rollout.mode async and its fields"""
     yield _at_least("rollout.max_staleness", ro.max_staleness, 0)
     yield ro.mode == "async" or not _set_any(given, "rollout.max_staleness"), \
         "rollout.max_staleness applies to rollout.mode async only"
+    yield ro.mode == "async" or ro.engine == "servers" or not _set_any(given, "rollout.generation_timeout"), \
+        "rollout.generation_timeout applies to rollout.mode async and rollout.engine servers only"
     yield ro.mode == "sync" or ro.zero_variance == "keep", \
         (f"rollout.mode async plans each step's groups before the step runs, so it cannot refill dropped groups: "
          f"rollout.zero_variance must be keep (got {ro.zero_variance})")

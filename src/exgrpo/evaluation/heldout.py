@@ -6,8 +6,6 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import numpy as np
-
 from exgrpo.data import PromptEncoder, Question
 from exgrpo.evaluation.sampling import sample_completions
 from exgrpo.rewards import score_completions
@@ -44,9 +42,7 @@ def evaluate_accuracy(engine: RolloutEngine, tokenizer, questions: Sequence[Ques
     completions = [tokenizer.decode(ids, skip_special_tokens=True) for ids in out.completion_ids]
     prompts = [tokenizer.decode(prompt_ids[i]) for i, _ in out.requests]
     total, _ = score_completions(reward_funcs, [1.0] * len(reward_funcs), prompts, completions, out.completion_ids,
-                                 rows)
-    if truncated_reward is not None:
-        total[np.asarray(out.truncated, dtype=bool)] = truncated_reward
+                                 rows, out.truncated, truncated_reward)
     correct = (total >= success_threshold).reshape(len(questions), samples).astype(float)
     per_question = correct.mean(axis=1)
     n = len(questions)

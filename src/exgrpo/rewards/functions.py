@@ -149,12 +149,17 @@ def combine_rewards(funcs: Sequence[RewardFunc], weights: Sequence[float], promp
 
 
 def score_completions(funcs: Sequence[RewardFunc], weights: Sequence[float], prompts: list, completions: list,
-                      completion_ids: list, questions: Sequence) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+                      completion_ids: list, questions: Sequence, truncated: Sequence[bool] = (),
+                      truncated_reward: float | None = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """`combine_rewards` with TRL's dataset columns: each completion's question gives `answer` plus its `columns`.
 
     `questions` holds one question per completion (objects with `.answer` and a `.columns` dict, e.g.
-    `exgrpo.data.Question`); a column some questions lack is None for them.
+    `exgrpo.data.Question`); a column some questions lack is None for them. Given `truncated_reward`
+    (reward.truncated fail), the completions flagged in `truncated` total that instead, their grades kept.
     """
     keys = sorted({k for q in questions for k in q.columns} - {"answer"})
     columns = {"answer": [q.answer for q in questions], **{k: [q.columns.get(k) for q in questions] for k in keys}}
-    return combine_rewards(funcs, weights, prompts, completions, completion_ids, columns)
+    total, per_function = combine_rewards(funcs, weights, prompts, completions, completion_ids, columns)
+    if truncated_reward is not None:
+        total[np.asarray(truncated, dtype=bool)] = truncated_reward
+    return total, per_function

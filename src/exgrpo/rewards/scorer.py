@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-import numpy as np
-
 from exgrpo.records import Group, GroupRewards
 from exgrpo.rewards.functions import score_completions
 from exgrpo.rewards.health import RewardHealth
@@ -28,9 +26,7 @@ def score_groups(groups: Sequence[Group], tokenizer, reward_funcs: Sequence[Call
             questions.append(g.question)
             truncated.append(m.truncated)
     total, per_function = score_completions(reward_funcs, reward_weights, prompts, completions, completion_ids,
-                                            questions)
-    if truncated_reward is not None:
-        total[np.asarray(truncated, dtype=bool)] = truncated_reward
+                                            questions, truncated, truncated_reward)
     shape = (len(groups), len(groups[0].members) if groups else 0)
     return GroupRewards(total.reshape(shape), {k: v.reshape(shape) for k, v in per_function.items()})
 

@@ -64,9 +64,8 @@ class RolloutWorker:
         """Load the learner's weights, now at `version`, into the engine (`engine.push_weights`) once every
         earlier call is done. The push reads the learner's weights on the worker thread: the learner must not
         change them until this future is done (`wait`), unless `weights` is a snapshot of them to send instead."""
-        if weights is None:
-            return self._submit(lambda: self.engine.push_weights(version))
-        return self._submit(lambda: self.engine.push_weights(version, weights))
+        args = (version,) if weights is None else (version, weights)
+        return self._submit(lambda: self.engine.push_weights(*args))
 
     def wait(self, future: concurrent.futures.Future, what: str):
         """The result of `future`, counting the wait as learner idle time; an EngineError past `timeout`."""
