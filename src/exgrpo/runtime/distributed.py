@@ -7,6 +7,8 @@ updates. Each rank trains on its shard; DDP averages gradients.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import hashlib
 import os
 from dataclasses import dataclass
@@ -93,10 +95,16 @@ def init_distributed() -> Distributed:
 
 
 def close_distributed() -> None:
-    """Leave the process group. Without it, gloo's threads outlive the interpreter's teardown and a rank can abort
-    at exit ("terminate called without an active exception") after a run that succeeded."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    """Leave the process group, every rank at once. Without it, gloo's threads outlive the interpreter's teardown
+    and a rank can abort at exit ("terminate called without an active exception") after a run that succeeded; a
+    rank that left while another still talked to it (rank 0 writing the last checkpoint) did so too."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_backend() == "gloo":
+        # a failed run's other ranks may be gone: then the barrier fails, and leaving is all that is left to do
+        with contextlib.suppress(RuntimeError):
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+    dist.destroy_process_group()
 
 
 def shard(items: Sequence, ctx: Distributed) -> list:
