@@ -2,9 +2,10 @@
 
 For each run: held-out accuracy at step 0 (the study's shared initial evaluation) and at every logged evaluation,
 criteria 1-3 (learning >= 10 points, no collapse > 5 points below the best, entropy at step 20 >= 0.3 nats),
-the delayed-start rule's input (largest batch Pass@1 in steps 1-15), criterion 5 (the buffer's share at k = 2..6
-at steps 20, 30 and 40), the share of completions cut at the cap, and the last 50 logged samples, written for
-reading by hand (criterion 6) to <run>/last_50_samples.txt. Criterion 4 holds by construction (40 steps of 6
+the delayed-start rule's input (largest batch Pass@1 in steps 1-15), criterion 5 (the first three pilots: the
+buffer's share at k = 2..6 at steps 20, 30 and 40; the fourth: at least 3 questions there at 12 or more of steps
+25-40), the share of completions cut at the cap, and the last 50 logged samples, written for reading by hand
+(criterion 6) to <run>/last_50_samples.txt. Criterion 4 holds by construction (40 steps of 6
 fresh questions draw fewer than the training pool holds, and the pool draws an epoch without repeats).
 
     .venv/bin/python bench/pilot_criteria.py experiments/round-four-second-pilot.yaml grpo-mixed grpo-mul
@@ -18,16 +19,24 @@ from exgrpo.studies.study import load_study
 
 K = 8
 MEDIUM = range(2, K - 1)  # k = 2..6
+REPLAY_SLOTS = 3  # experiential questions per step: 6 questions x experience.ratio 0.5
 
 
 def rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def buckets(row: dict) -> dict[int, float]:
+    return {int(key.rsplit("_", 1)[1]): v for key, v in row.items() if key.startswith("experience/bucket_")}
+
+
+def medium_questions(row: dict) -> float:
+    return sum(v for k, v in buckets(row).items() if k in MEDIUM)
+
+
 def medium_share(row: dict) -> float | None:
-    buckets = {int(key.rsplit("_", 1)[1]): v for key, v in row.items() if key.startswith("experience/bucket_")}
-    total = sum(buckets.values())
-    return sum(v for k, v in buckets.items() if k in MEDIUM) / total if total else None
+    total = sum(buckets(row).values())
+    return medium_questions(row) / total if total else None
 
 
 def criteria(run: Path, initial: float) -> dict:
@@ -48,6 +57,10 @@ def criteria(run: Path, initial: float) -> dict:
         "buffer_questions": {s: by_step[s].get("experience/questions") for s in shares},
         "medium_share": {s: None if v is None else round(v, 2) for s, v in shares.items()},
         "5_medium": bool(shares) and all(v is not None and v >= 0.40 for v in shares.values()),
+        # the fourth pilot's criterion 5: at 12 or more of steps 25-40 the medium buckets can fill every replay slot
+        "medium_questions_25_40": [medium_questions(by_step[s]) for s in range(25, 41) if s in by_step],
+        "5_replay_slots": sum(medium_questions(by_step[s]) >= REPLAY_SLOTS for s in range(25, 41) if s in by_step)
+        >= 12,
         "clipped_ratio_mean": round(sum(r["completions/clipped_ratio"] for r in by_step.values()) / len(by_step), 3),
     }
 
