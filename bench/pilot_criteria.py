@@ -5,10 +5,10 @@ criteria 1-3 (learning >= 10 points, no collapse > 5 points below the best, entr
 the delayed-start rule's input (largest batch Pass@1 in steps 1-15), criterion 5 (the first three pilots: the
 buffer's share at k = 2..6 at steps 20, 30 and 40; the fourth: at least 3 questions there at 12 or more of steps
 25-40), the share of completions cut at the cap, and the last 50 logged samples, written for reading by hand
-(criterion 6) to <run>/last_50_samples.txt. Criterion 4 holds by construction (40 steps of 6
-fresh questions draw fewer than the training pool holds, and the pool draws an epoch without repeats).
+(criterion 6) to <run>/last_50_samples.txt. Criterion 4 holds by construction (40 steps of 6 fresh questions draw
+fewer than the training pool holds, and the pool draws an epoch without repeats).
 
-    .venv/bin/python bench/pilot_criteria.py experiments/round-four-second-pilot.yaml grpo-mixed grpo-mul
+    .venv/bin/python bench/pilot_criteria.py experiments/round-four-fourth-pilot.yaml exgrpo grpo
 """
 
 import json
