@@ -190,6 +190,20 @@ def test_the_registered_power_statement_reproduces_round_three():
     assert "80% power needs a true effect of +1" in power_statement(rules, 5)
 
 
+def test_medium_bucket_supply_reads_the_buckets_a_step_drew_its_replays_from():
+    from exgrpo.studies.report import medium_bucket_supply
+
+    history = [
+        {"step": 1, "experience/replayed": 0, "experience/bucket_4": 2, "experience/bucket_7": 5},
+        {"step": 2, "experience/replayed": 3, "experience/bucket_1": 4, "experience/bucket_6": 1},  # drew from 2
+        {"step": 3, "experience/replayed": 3, "experience/bucket_7": 9},  # drew from 1 medium question of 3 slots
+        {"step": 4, "experience/replayed": 2},  # drew from none (k = 7 is not medium)
+    ]
+    medium, filled = medium_bucket_supply(history, num_generations=8)
+    assert medium == pytest.approx((2 + 1 + 0) / 3) and filled == pytest.approx((2 / 3 + 1 / 3 + 0) / 3)
+    assert medium_bucket_supply(history[:1], num_generations=8) is None
+
+
 def test_curves_of_runs_that_end_at_different_steps_align():
     from exgrpo.studies.report import _aligned
 

@@ -265,10 +265,26 @@ def final_table(arms: dict[str, list[RunResult]], names: list[str], references: 
     return lines
 
 
+def medium_bucket_supply(history: list[dict], num_generations: int) -> tuple[float, float] | None:
+    """Over the steps that replayed: the mean number of buffer questions in the medium buckets (k = 2..K-2) when the
+    step drew its replays (the previous step's logged buckets), and the share of replay slots they could fill,
+    min(medium, replayed) / replayed. The sampler almost never draws k = 1 or K-1 while medium questions exist
+    (docs/results.md, round four's third pilot). None when nothing was replayed."""
+    medium, filled = [], []
+    for before, row in zip(history, history[1:]):
+        replayed = row.get("experience/replayed", 0)
+        if replayed:
+            medium.append(sum(before.get(f"experience/bucket_{k}", 0) for k in range(2, num_generations - 1)))
+            filled.append(min(medium[-1], replayed) / replayed)
+    return (float(np.mean(medium)), float(np.mean(filled))) if medium else None
+
+
 def buffer_table(arms: dict[str, list[RunResult]], names: list[str]) -> list[str]:
-    """Per arm at the end of training (mean over seeds): buffer, retirement, replays, importance weights."""
+    """Per arm at the end of training (mean over seeds): buffer, retirement, replays, importance weights; and over
+    the steps that replayed, what the medium buckets held (`medium_bucket_supply`)."""
     lines = ["| arm | mixed from step | replayed questions | buffer questions | trajectories | retired | "
-             "replay w mean [min, max] | f(w) mean |", "|---|---:|---:|---:|---:|---:|---|---:|"]
+             "replay w mean [min, max] | f(w) mean | medium-bucket questions / replaying step | replay slots "
+             "they could fill |", "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for name in names:
         runs = arms[name]
         switched = [s for s in map(mixed_phase_start, (r.history for r in runs)) if s is not None]
@@ -284,9 +300,12 @@ def buffer_table(arms: dict[str, list[RunResult]], names: list[str]) -> list[str
         shaped = "—" if not replay_rows else f"{avg('replay/shaped_weight_mean', replay_rows):.3f}"
         replayed = np.mean([sum(m["experience/replayed"] for m in r.history) for r in runs])
         switch = f"{np.mean(switched):.1f}" if switched else "—"
+        supply = [x for r in runs if (x := medium_bucket_supply(r.history, r.config.rollout.num_generations))]
+        medium = f"{np.mean([m for m, _ in supply]):.1f} | {100 * np.mean([f for _, f in supply]):.0f}%" \
+            if supply else "— | —"
         lines.append(f"| {runs[0].arm.label} | {switch} | {replayed:.1f} | "
                      f"{avg('experience/questions'):.1f} | {avg('experience/trajectories'):.1f} | "
-                     f"{avg('experience/retired'):.1f} | {weights} | {shaped} |")
+                     f"{avg('experience/retired'):.1f} | {weights} | {shaped} | {medium} |")
     return lines
 
 
