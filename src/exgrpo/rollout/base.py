@@ -18,7 +18,7 @@ import numpy as np
 
 def derive_seed(*keys: int) -> int:
     """A 63-bit seed derived from integer keys (e.g. run seed, step, group, member): one stream per request."""
-    return int(np.random.SeedSequence(list(keys)).generate_state(1, np.uint64)[0] >> 1)
+    return int(np.random.SeedSequence(list(keys)).generate_state(1, np.uint64)[0]) >> 1
 
 
 @dataclass(frozen=True)

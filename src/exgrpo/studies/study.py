@@ -3,7 +3,7 @@ seeds and budget, resumable run by run, and their results read back for the repo
 
 A study file (YAML; paths relative to it)::
 
-    base: ../configs/demo.yaml          # the config every run starts from
+    base: demo                          # the config every run starts from: a preset's name or a file
     output_dir: ../runs/study           # runs go to <output_dir>/<arm>/seed-<seed>
     seeds: [1, 2, 3]                    # default seeds of every arm
     overrides: [train.save_every=5]     # applied to every arm
@@ -25,7 +25,7 @@ from typing import Callable
 import numpy as np
 
 from exgrpo.runtime.atomic import write_text_atomic
-from exgrpo.config import ConfigError, ExGRPOConfig, load_config, read_yaml
+from exgrpo.config import ConfigError, ExGRPOConfig, config_file, load_config, read_yaml
 
 _STUDY_KEYS = {"base", "output_dir", "seeds", "overrides", "baseline", "arms", "registered"}
 _ARM_KEYS = {"label", "overrides", "seeds"}
@@ -161,7 +161,7 @@ def load_study(path: str | Path) -> Study:
                         f"{path}: arms.{name}.overrides"),
                         _seeds(spec["seeds"], f"{path}: arms.{name}.seeds") if "seeds" in spec else seeds))
     root = path.parent
-    study = Study(path, (root / raw["base"]).resolve(), (root / raw["output_dir"]).resolve(),
+    study = Study(path, config_file(str(raw["base"]), relative_to=root).resolve(), (root / raw["output_dir"]).resolve(),
                   _overrides(raw.get("overrides"), f"{path}: overrides"), str(raw.get("baseline", arms[0].name)),
                   tuple(arms), _registration(raw.get("registered"), f"{path}: registered"))
     study.arm(study.baseline)
