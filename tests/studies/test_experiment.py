@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _study(tmp_path, arms=None, **extra):
     spec = {
-        "base": str(ROOT / "configs" / "tiny.yaml"), "output_dir": "runs", "seeds": [1, 2],
+        "base": "tiny", "output_dir": "runs", "seeds": [1, 2],  # a preset's name
         "overrides": ["train.steps=3", "train.save_every=2", "eval.every=2", "logging.progress=false",
                       "logging.sample_every=0"],
         "baseline": "grpo",
@@ -120,6 +120,7 @@ def test_interrupted_run_resumes_and_report_waits_for_it(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     ({"seeds": []}, "seeds: expected a non-empty list"),
+    ({"base": "tiny.yml"}, r"'tiny.yml' is not a preset \(presets: demo, "),
     ({"arms": {}}, "arms: expected a mapping"),
     ({"colour": 1}, r"unknown keys \['colour'\]"),
     ({"baseline": "nope"}, "no arm 'nope'"),
