@@ -1,4 +1,4 @@
-"""The paper's entropy premise, checked on the base model without training (issue #47, item 2).
+"""The paper's entropy premise, checked on the base model without training (the premise the lowest-entropy selection rests on).
 
 ExGRPO replays, of a question's stored correct trajectories, the one with the lowest mean token entropy, on the
 premise that low entropy marks valid reasoning and high entropy a lucky guess with wrong working. This script
@@ -56,7 +56,7 @@ TASKS = {
     # three terms, + and -, with parentheses: "Calculate ( -9 - 8 ) + 6."
     "paren_3term": (_RG + "basic_arithmetic?min_terms=3&max_terms=3&min_digits=1&max_digits=2&operators=+-"
                     "&allow_negation=false&allow_parentheses=true&size=1000&seed=47", " Solve it step by step."),
-    # three-term addition (issue #47 item 4's candidate) with a step-by-step suffix: "Calculate 12 + 7 + 40."
+    # three-term addition (the weak-model candidate) with a step-by-step suffix: "Calculate 12 + 7 + 40."
     "add_3term": (_RG + "basic_arithmetic?min_terms=3&max_terms=3&min_digits=1&max_digits=2&operators=+"
                   "&allow_negation=false&allow_parentheses=false&size=1000&seed=47",
                   " Think step by step: write each step as an equation, then give the final number."),

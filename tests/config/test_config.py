@@ -141,7 +141,7 @@ def test_a_preset_is_named_without_its_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "demo").write_text("train: {steps: 3}\n")
     assert load_config("demo").train.steps == 3
-    with pytest.raises(ConfigError, match=r"'demoo' is not a preset \(presets: demo, qwen2.5-math-1.5b"):
+    with pytest.raises(ConfigError, match=r"'demoo' is not a preset \(presets: demo, gemma3-270m, qwen2.5-math-1.5b"):
         load_config("demoo")
     refused = run_cli(["train", "train.steps=1"])
     assert refused.returncode == 2 and "exgrpo train needs --config: a preset (demo, " in refused.stderr
