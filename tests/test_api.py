@@ -2,14 +2,10 @@
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import exgrpo
-
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def test_the_readme_names_come_from_the_package_top():
     from exgrpo import ExGRPOConfig, ExGRPOTrainer, MathReward, load_config, load_policy, load_questions
@@ -27,8 +23,7 @@ def test_the_readme_names_come_from_the_package_top():
 def test_the_readme_python_example_on_the_tiny_model(tmp_path):
     from exgrpo import ExGRPOTrainer, MathReward, load_config, load_policy, load_questions
 
-    config = load_config(ROOT / "configs" / "tiny.yaml", ["train.steps=2", f"logging.output_dir={tmp_path}",
-                                               "logging.progress=false"])
+    config = load_config("tiny", ["train.steps=2", f"logging.output_dir={tmp_path}", "logging.progress=false"])
     model, tokenizer = load_policy("tiny")
     questions = load_questions(config.data.train, prompt_suffix=config.data.prompt_suffix)
     history = ExGRPOTrainer(model, tokenizer, [MathReward()], config, questions).train()
