@@ -7,6 +7,7 @@ import pytest
 
 import exgrpo
 
+
 def test_the_readme_names_come_from_the_package_top():
     from exgrpo import ExGRPOConfig, ExGRPOTrainer, MathReward, load_config, load_policy, load_questions
     from exgrpo.config import schema
