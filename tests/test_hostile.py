@@ -228,6 +228,17 @@ def disk_full_while_logging(d):
     return failed
 
 
+FOUR_COMPLETIONS = ("train.prompts_per_step=2", "rollout.num_generations=2")  # 4 completions a step
+
+
+def failing_reward(d, function, *args, workers=0):
+    """A run whose reward `toy_rewards:<function>` fails on every completion: it stops at step 1, saving nothing."""
+    result = train(d, f"reward.function=toy_rewards:{function}", f"reward.workers={workers}", *FOUR_COMPLETIONS,
+                   *args, isolated=workers > 0)
+    assert steps(d) == [] and checkpoints(d) == []
+    return result
+
+
 def buffer_of_a_checkpoint_with_a_truncated_buffer(d):
     assert train(d, "train.steps=1").returncode == 0
     checkpoint = Path(d) / "checkpoints" / "step-000001"
@@ -296,7 +307,25 @@ CASES = {  # name: (case, exit code, message on stderr)
         lambda d: train(d, "reward.function=toy_rewards:returns_two_rewards"), 2, "returned [1.0, 0.0] for one"),
     "reward raising on some completions": (raising_on_some_completions, 0, "the first failure:\nKeyError"),
     "SIGKILL of a learner with grading workers": (sigkill_of_a_learner_with_grading_workers, 0, "resumed from"),
-    "grading timeouts": (grading_timeouts, 0, "grading failed for some completions (1 timeouts"),
+    "grading timeouts": (grading_timeouts, 0, "failed on 1 of 16 (1 timed out: raise reward.timeout if correct"),
+    "reward hanging on every completion, in-process": (
+        lambda d: failing_reward(d, "hangs", "reward.timeout=0.5"), 2,
+        "failed on every one of the 4 completions it graded (all 4 timed out: raise reward.timeout"),
+    "reward hanging on every completion, in workers": (
+        lambda d: failing_reward(d, "hangs", "reward.timeout=1", workers=2), 2,
+        "failed on every one of the 4 completions it graded (all 4 timed out: raise reward.timeout"),
+    "reward busy-looping on every completion, in-process": (
+        lambda d: failing_reward(d, "busy_loop", "reward.timeout=0.5"), 2, "(all 4 timed out: "),
+    "reward raising SystemExit(0), in-process": (
+        lambda d: failing_reward(d, "exits"), 2, "(all 4 exited: it raised SystemExit or KeyboardInterrupt"),
+    "reward raising SystemExit(0), in workers": (lambda d: failing_reward(d, "exits", workers=2), 2,
+                                                 "the first failure:\nSystemExit: 0"),
+    "reward raising KeyboardInterrupt, in workers": (lambda d: failing_reward(d, "interrupts", workers=2), 2,
+                                                     "(all 4 exited: it raised SystemExit or KeyboardInterrupt"),
+    "reward calling os._exit, in workers": (
+        lambda d: failing_reward(d, "ends_the_process", workers=2), 2,
+        "(all 4 crashed: its grading worker died (os._exit(), a crash in native code, or out of memory)); the first "
+        "failure:\nits grading worker died (exit code 0)"),
     "Ctrl-C while grading": (ctrl_c_while_grading, 128 + signal.SIGINT, "SIGINT: checkpointing at step"),
     "a hung reward graded in-process": (in_process_grading_timeouts, 0, "grading failed for some completions"),
     "SIGTERM twice while a reward hangs": (sigterm_twice_in_a_hung_reward, 128 + signal.SIGTERM,
