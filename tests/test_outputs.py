@@ -73,6 +73,59 @@ def test_export_refuses_bad_targets_in_one_line(tmp_path, make_out, flags, messa
     assert not out.is_dir() or not list(out.glob("*.safetensors"))  # nothing written there
 
 
+@pytest.mark.parametrize("out, message", [
+    ("a-file/out", "cannot write the export to {out}: {tmp}/a-file is a file, not a directory"),
+    ("/sys/exgrpo-export", "cannot write the export to {out}: "),  # a read-only place
+    ("run/checkpoints/step-000001/model", "{out} is inside the checkpoints of the run {run}: an export never writes"),
+    ("run/checkpoints/export", "{out} is inside the checkpoints of the run {run}"),
+    ("run/checkpoints/step-000001/export", "{out} is inside the checkpoints of the run {run}"),
+])
+def test_export_never_writes_into_a_checkpoint_and_names_an_unwritable_place(tmp_path, out, message):
+    checkpoint = _train(tmp_path / "run")
+    (tmp_path / "a-file").write_text("x")
+    before = sorted((p.relative_to(checkpoint), p.stat().st_mtime_ns) for p in checkpoint.rglob("*"))
+    out = tmp_path / out
+    result = run_cli(["export", str(tmp_path / "run"), str(out), "--overwrite"])
+    assert result.returncode == 2, result.stderr
+    assert message.format(out=out, run=tmp_path / "run", tmp=tmp_path) in result.stderr and "Traceback" not in result.stderr
+    assert sorted((p.relative_to(checkpoint), p.stat().st_mtime_ns) for p in checkpoint.rglob("*")) == before
+    assert run_cli(["train", "--resume", str(tmp_path / "run"), "train.steps=1"]).returncode == 0  # still intact
+
+
+def test_export_merge_of_a_full_fine_tuning_run_says_there_is_no_adapter(tmp_path):
+    _train(tmp_path / "run")
+    result = run_cli(["export", str(tmp_path / "run"), str(tmp_path / "out"), "--merge"])
+    assert result.returncode == 0 and (tmp_path / "out" / "model.safetensors").is_file(), result.stderr
+    assert "LoRA merged" not in result.stderr
+    assert "--merge had nothing to merge: the checkpoint holds full weights (a full fine-tuning run, no LoRA " \
+           "adapter)" in result.stderr
+
+
+def test_export_of_a_live_run_takes_the_next_intact_checkpoint_when_its_pick_is_pruned(tmp_path, monkeypatch):
+    """The run prunes the checkpoint the export picked while the export reads it (done here, at the exact point,
+    as the run's pruning does it: renamed away, then deleted): the export reads the newest intact one instead."""
+    import transformers
+
+    run = tmp_path / "run"
+    _train(run)
+    assert run_cli(["train", "--resume", str(run), "train.steps=2"]).returncode == 0
+    newest = run / "checkpoints" / "step-000002"
+    original = transformers.AutoTokenizer.from_pretrained
+
+    def pruned_while_read(path, *args, **kwargs):
+        if Path(path).parent == newest:
+            doomed = newest.rename(newest.parent / ".deleting-step-000002")
+            shutil.rmtree(doomed)
+        return original(path, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", pruned_while_read)
+    result = run_cli(["export", str(run), str(tmp_path / "out")])
+    assert result.returncode == 0, result.stderr
+    assert "step-000002 was pruned by its run while it was read; taking the run's newest intact checkpoint" \
+        in result.stderr and f"exported {run / 'checkpoints' / 'step-000001'} to" in result.stderr
+    assert not list(tmp_path.glob(".out.tmp-*"))
+
+
 def test_a_checkpoint_without_a_manifest_is_resumed_unverified_not_deleted(tmp_path):
     run = tmp_path / "run"
     checkpoint = _train(run)

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
-import shutil
 import signal
 import sys
 import time
@@ -120,26 +118,6 @@ def _experiment(args) -> int:
     return 0
 
 
-def _checkpoint(run_or_checkpoint: str, needed: str) -> Path:
-    """The newest intact checkpoint of a run directory, or the checkpoint directory itself (verified against its
-    manifest when it has one); it must hold `needed`."""
-    from exgrpo.runtime.checkpoint import latest_intact_checkpoint, verify_checkpoint
-
-    source = Path(run_or_checkpoint)
-    if not source.exists():
-        raise ExgrpoError(f"{source}: no such run or checkpoint directory")
-    if (source / "checkpoints").is_dir():
-        checkpoint = latest_intact_checkpoint(source)
-        if checkpoint is None:
-            raise ExgrpoError(f"{source}: no intact checkpoint in {source / 'checkpoints'}")
-        source = checkpoint
-    elif (source / "manifest.json").is_file() and (problem := verify_checkpoint(source)) is not None:
-        raise ExgrpoError(f"{source} is not intact: {problem}")
-    if not (source / needed).exists():
-        raise ExgrpoError(f"{source}: neither a run directory with checkpoints nor a checkpoint (no {needed} in it)")
-    return source
-
-
 def _serve(args, overrides) -> int:
     """Start (or with --print, show) the `vllm serve` server of a rollout.engine servers run."""
     from exgrpo.rollout.serve import exec_server, server_command
@@ -158,56 +136,20 @@ def _serve(args, overrides) -> int:
 
 def _export(args) -> int:
     """A standalone model directory from a run (its newest intact checkpoint) or a checkpoint."""
-    from exgrpo.models import export_policy, is_preset
-    from exgrpo.runtime.scratch import owned_temp_dir
+    from exgrpo.export import export
 
-    source = _checkpoint(args.source, "model")
-    out = Path(args.out)
-    _check_export_target(out, args.overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # OUT is replaced whole, never mixed with old files; a killed export's staging directory goes at the next export
-    staging = Path(owned_temp_dir(f".{out.name}.tmp-", str(out.parent)))
-    try:
-        export_policy(source / "model", staging, merge=args.merge)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    except OSError as e:
-        raise ExgrpoError(f"cannot write the export to {out}: {e.strerror or e}") from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    _note(f"exported {source} to {out}" + (" (LoRA merged)" if args.merge else ""))
-    adapter = out / "adapter_config.json"
-    base = json.loads(adapter.read_text()).get("base_model_name_or_path", "") if adapter.is_file() else ""
-    if is_preset(base):
-        _note(f"{out} is a LoRA adapter on exgrpo's preset {base!r}, which plain transformers/peft cannot resolve: "
-              f"load it with exgrpo (`exgrpo eval --model {out}`, `exgrpo.models.load_policy`), or export with "
-              "--merge for a plain transformers model")
+    export(args.source, args.out, merge=args.merge, overwrite=args.overwrite, log=_note)
     return 0
-
-
-def _check_export_target(out: Path, overwrite: bool) -> None:
-    """OUT must be a directory that is absent, empty, or (with --overwrite) an earlier export, which is replaced."""
-    if out.exists() and not out.is_dir():
-        raise ExgrpoError(f"{out} is a file; OUT must be a directory")
-    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    if not held:
-        return
-    if not overwrite:
-        raise ExgrpoError(f"{out} is not empty; pick another directory, or pass --overwrite to replace an earlier "
-                          "export there")
-    if not {"config.json", "adapter_config.json"} & set(held):
-        raise ExgrpoError(f"{out} holds files that are not a model export ({', '.join(held[:3])}); --overwrite only "
-                          "replaces an earlier export: pick another directory")
 
 
 def _buffer(args) -> int:
     """What the experience buffer of a run (its newest intact checkpoint) or a checkpoint holds."""
     from exgrpo.experience.buffer import ExperienceBuffer
     from exgrpo.experience.summary import buffer_summary, print_summary
+    from exgrpo.export import checkpoint_of
     from exgrpo.runtime.checkpoint import read_trainer_json
 
-    source = _checkpoint(args.source, "buffer.safetensors")
+    source = checkpoint_of(args.source, "buffer.safetensors")
     decode = None
     if (source / "model").is_dir() and args.examples:
         from transformers import AutoTokenizer
