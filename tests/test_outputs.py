@@ -87,7 +87,8 @@ def test_export_never_writes_into_a_checkpoint_and_names_an_unwritable_place(tmp
     out = tmp_path / out
     result = run_cli(["export", str(tmp_path / "run"), str(out), "--overwrite"])
     assert result.returncode == 2, result.stderr
-    assert message.format(out=out, run=tmp_path / "run", tmp=tmp_path) in result.stderr and "Traceback" not in result.stderr
+    assert message.format(out=out, run=tmp_path / "run", tmp=tmp_path) in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
     assert sorted((p.relative_to(checkpoint), p.stat().st_mtime_ns) for p in checkpoint.rglob("*")) == before
     assert run_cli(["train", "--resume", str(tmp_path / "run"), "train.steps=1"]).returncode == 0  # still intact
 
