@@ -152,6 +152,8 @@ CASES = {
     # graders and rewards
     "grader that hangs": (_timeout, lambda action: action()),
     "grader that crashes": (_crash, lambda action: action()),
+    "negative number of grading workers": (lambda p: GradingPool(num_workers=-1),
+                                           _raises(ValueError, "num_workers must be >= 0 (0 grades in-process)")),
     "reward function returning the wrong length": (
         lambda p: combine_rewards([lambda **kw: [1.0]], [1.0], ["a", "b"], ["x", "y"], [[1], [2]],
                                   {"answer": ["1", "2"]}),

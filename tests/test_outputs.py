@@ -162,14 +162,26 @@ def test_a_config_that_is_not_utf8_names_the_file_and_line(tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--temperature", "0"], "rollout.temperature must be > 0"),
-    (["--temperature", "-1"], "rollout.temperature must be > 0"),
-    (["--top-p", "-1"], "rollout.top_p must be in (0, 1]"),
-    (["--max-new-tokens", "0"], "rollout.max_completion_length must be >= 1"),
+    (["--temperature", "0"], "--temperature must be a finite number > 0 (evaluation samples; there is no greedy"),
+    (["--temperature", "-1"], "--temperature must be a finite number > 0"),
+    (["--temperature", "nan"], "--temperature must be a finite number > 0"),
+    (["--top-p", "-1"], "--top-p must be in (0, 1] (got -1.0)"),
+    (["--top-p", "2"], "--top-p must be in (0, 1] (got 2.0)"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1 (got 0)"),
+    (["--workers", "-1"], "--workers must be >= 0 (grading processes; 0 grades in-process) (got -1)"),
+    (["--batch-size", "0"], "--batch-size must be >= 1 (sequences generated together) (got 0)"),
+    (["--seed", "-1"], "--seed must be >= 0 (got -1)"),
+    (["--samples", "0", "--limit", "-2"], "--samples must be >= 1 (got 0); --limit must be >= 1 (got -2)"),
+    (["--output", "{tmp}/a-file"], "--output {tmp}/a-file: {tmp}/a-file is a file; --output must be a directory"),
+    (["--output", "{tmp}/a-file/out"], "--output {tmp}/a-file/out: {tmp}/a-file is a file"),
+    (["--output", "/sys/exgrpo-eval"], "--output /sys/exgrpo-eval: cannot write there ("),  # a read-only place
 ])
-def test_eval_refuses_the_sampling_values_train_refuses(flags, message):
-    result = run_cli(["eval", "--model", "tiny", *flags])
-    assert result.returncode == 2 and message in result.stderr, result.stderr
+def test_eval_refuses_its_own_bad_flags_by_their_names_before_loading(tmp_path, flags, message):
+    (tmp_path / "a-file").write_text("x")
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    result = run_cli(["eval", "--model", str(tmp_path / "no-model"), "--data", str(tmp_path / "no-data"), *flags])
+    assert result.returncode == 2 and message.format(tmp=tmp_path) in result.stderr, result.stderr
+    assert "rollout." not in result.stderr and "no-model" not in result.stderr and "no-data" not in result.stderr
 
 
 def _rows(path, n, start=0):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import signal
 import sys
@@ -275,15 +276,34 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+_EVAL_FLAGS = (  # flag, its attribute, whether a value is allowed, what it must be
+    ("--samples", "samples", lambda v: v is None or v >= 1, ">= 1"),
+    ("--limit", "limit", lambda v: v is None or v >= 1, ">= 1"),
+    ("--max-new-tokens", "max_new_tokens", lambda v: v >= 1, ">= 1"),
+    ("--temperature", "temperature", lambda v: math.isfinite(v) and v > 0,
+     "a finite number > 0 (evaluation samples; there is no greedy mode)"),
+    ("--top-p", "top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("--batch-size", "batch_size", lambda v: v >= 1, ">= 1 (sequences generated together)"),
+    ("--seed", "seed", lambda v: v >= 0, ">= 0"),
+    ("--workers", "workers", lambda v: v >= 0, ">= 0 (grading processes; 0 grades in-process)"),
+)
+
+
 def _check_eval_args(parser: argparse.ArgumentParser, args) -> None:
-    """The sampling values `train` refuses, refused with its messages."""
-    if args.samples is not None and args.samples < 1 or args.limit is not None and args.limit < 1:
-        parser.error("--samples and --limit must be positive")
+    """eval's own flags, refused by their names before anything is loaded; --output must be a directory that can be
+    written (it is created here)."""
+    bad = [f"{flag} must be {need} (got {getattr(args, name)})" for flag, name, ok, need in _EVAL_FLAGS
+           if not ok(getattr(args, name))]
+    if bad:
+        parser.error("; ".join(bad))
+    output = Path(args.output)
+    existing = next((p for p in (output, *output.absolute().parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        parser.error(f"--output {output}: {existing} is a file; --output must be a directory")
     try:
-        load_config(None, [f"rollout.temperature={args.temperature}", f"rollout.top_p={args.top_p}",
-                           f"rollout.max_completion_length={args.max_new_tokens}"])
-    except ConfigError as e:
-        parser.error(f"--temperature, --top-p, --max-new-tokens: {e}")
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--output {output}: cannot write there ({e.strerror or e})")
 
 
 def main(argv: list[str] | None = None) -> int:

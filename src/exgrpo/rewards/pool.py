@@ -187,6 +187,8 @@ class GradingPool:
     """
 
     def __init__(self, num_workers: int = 2, timeout: float | None = 5.0):
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0 (0 grades in-process), got {num_workers}")
         if timeout is None and num_workers:
             raise ValueError("grading workers need a timeout: it is how a hung worker is told from a slow one")
         self.num_workers = num_workers
