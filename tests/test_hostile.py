@@ -330,6 +330,11 @@ CASES = {  # name: (case, exit code, message on stderr)
     "a hung reward graded in-process": (in_process_grading_timeouts, 0, "grading failed for some completions"),
     "SIGTERM twice while a reward hangs": (sigterm_twice_in_a_hung_reward, 128 + signal.SIGTERM,
                                            "SIGTERM again: stopped at once"),
+    "held-out set as large as the training data": (lambda d: train(d, "data.holdout=1000"), 2,
+                                                   "data.holdout (1000) must be less than the "),
+    "every prompt longer than data.max_prompt_length": (
+        lambda d: train(d, "data.max_prompt_length=2"), 2,
+        "data.max_prompt_length (2) is below every training question's prompt: all 55 would be dropped"),
     "unwritable output directory": (lambda d: train("/dev/null/run"), 2, "/dev/null/run: cannot write there"),
     "disk full while checkpointing": (disk_full_while_checkpointing, 2, "cannot write checkpoint"),
     "disk full while logging": (disk_full_while_logging, 2, "metrics.jsonl: File too large"),

@@ -14,7 +14,7 @@ import torch
 from exgrpo.runtime.checkpoint import latest_intact_checkpoint, read_trainer_json, step_dirs
 from exgrpo.config import ConfigError, ExGRPOConfig, config_changes
 from exgrpo.config.rules import ASYNC_ACROSS_RANKS_NEEDS_SERVERS, ASYNC_NEEDS_ITS_OWN_ENGINE
-from exgrpo.data import conflicting_answers, load_questions, split_holdout
+from exgrpo.data import conflicting_answers, distinct_prompts, load_questions, split_holdout
 from exgrpo.runtime.distributed import close_distributed, launched_rank
 from exgrpo.errors import CheckpointError, ExgrpoWarning, Shutdown
 from exgrpo.evaluation.contamination import screen_benchmark_questions
@@ -62,7 +62,7 @@ def build_run(config: ExGRPOConfig, log: Callable[[str], None] = print) -> Run:
     questions = screen_benchmark_questions(questions, c.data.benchmark_overlap, f"data.train {c.data.train}",
                                            c.data.prompt_suffix)
     _warn_conflicting_answers(f"data.train {c.data.train}", questions)
-    train, holdout = split_holdout(questions, c.data.holdout, c.train.seed) if c.data.holdout else (list(questions), [])
+    train, holdout = _held_out_split(questions, c)
     if c.data.eval:
         holdout = load_questions(c.data.eval, skip_invalid=c.data.skip_invalid, prompt_suffix=c.data.prompt_suffix)
         log(_loaded("data.eval", c.data.eval, holdout))
@@ -74,6 +74,18 @@ def build_run(config: ExGRPOConfig, log: Callable[[str], None] = print) -> Run:
     reward_funcs = build_reward_funcs(c, pool)
     trainer = ExGRPOTrainer(model, tokenizer, reward_funcs, c, train, eval_dataset=holdout, grading_pool=pool)
     return Run(c, trainer, pool)
+
+
+def _held_out_split(questions, c: ExGRPOConfig) -> tuple[list, list]:
+    """(training, held-out) questions: data.holdout distinct prompts held out, at least one left to train on."""
+    if not c.data.holdout:
+        return list(questions), []
+    prompts = distinct_prompts(questions)
+    if c.data.holdout >= prompts:
+        raise ConfigError(f"data.holdout ({c.data.holdout}) must be less than the {prompts} distinct prompts of "
+                          f"data.train {c.data.train}, so that some are left to train on (all rows of a prompt go to "
+                          "one side)")
+    return split_holdout(questions, c.data.holdout, c.train.seed)
 
 
 def _refuse_async_without_its_engine(config: ExGRPOConfig) -> None:
