@@ -8,6 +8,7 @@ table below pairs it with the exit code and a message that must appear on stderr
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -132,6 +133,39 @@ def killed_before_the_first_checkpoint(d):
     resumed = train(d, "--resume", "auto", "train.steps=2")
     assert steps(d) == [1, 2]
     return resumed
+
+
+def resume_as_stored(d, *overrides):
+    """`exgrpo train --resume RUN`: the run's own config.json, no config file."""
+    return run_cli(["train", "--resume", str(d), *overrides], env=ENV)
+
+
+def resume_of_a_run_started_over(d):
+    assert train(d).returncode == 0 and train(d, "--overwrite").returncode == 0  # the README's "start over"
+    assert json.loads((Path(d) / "config.json").read_text())["logging"]["overwrite"] is False  # an action, done
+    resumed = resume_as_stored(d, "train.steps=3")
+    assert steps(d) == [1, 2, 3]
+    return resumed
+
+
+def resume_of_a_run_that_stored_overwrite(d):
+    assert train(d).returncode == 0
+    config = json.loads((Path(d) / "config.json").read_text())
+    config["logging"]["overwrite"] = True  # as exgrpo stored it before: a run started with --overwrite
+    (Path(d) / "config.json").write_text(json.dumps(config))
+    resumed = resume_as_stored(d, "train.steps=3")
+    assert steps(d) == [1, 2, 3]
+    return resumed
+
+
+def resume_with_every_checkpoint_removed(d):
+    assert train(d, "train.steps=3").returncode == 0
+    for checkpoint in (Path(d) / "checkpoints").iterdir():
+        shutil.rmtree(checkpoint)
+    history = (Path(d) / "metrics.jsonl").read_text()
+    refused = train(d, "--resume", str(d), "train.steps=4")
+    assert (Path(d) / "metrics.jsonl").read_text() == history  # kept, not replaced
+    return refused
 
 
 def one_unretired_question_left(d):
@@ -270,6 +304,13 @@ CASES = {  # name: (case, exit code, message on stderr)
     "torn last line of metrics.jsonl": (torn_last_metrics_line, 0, "resumed from"),
     "killed before the first checkpoint": (killed_before_the_first_checkpoint, 0,
                                            "stopped before its first checkpoint; starting it again from step 0"),
+    "resume of a run started over with --overwrite": (resume_of_a_run_started_over, 0, "resumed from"),
+    "resume of a run whose config.json stored overwrite: true": (resume_of_a_run_that_stored_overwrite, 0,
+                                                                 "resumed from"),
+    "resume with every checkpoint removed": (
+        resume_with_every_checkpoint_removed, 2,
+        "its history (metrics.jsonl) reaches step 3, past its first checkpoint (step 1, train.save_every 1), but no "
+        "checkpoint is left in"),
     "one unretired question left (GRPO)": (one_unretired_question_left, 0, ""),
     "learning rate inf": (lambda d: train(d, "train.learning_rate=.inf"), 2,
                           "train.learning_rate must be a finite number"),

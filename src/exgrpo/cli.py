@@ -34,6 +34,8 @@ def _train(args, overrides) -> int:
         if not run_config.is_file():
             raise ConfigError(f"--resume {args.resume}: no run there (no {run_config})")
         base = None if args.config else read_yaml(run_config, "run config")
+        if isinstance(base, dict) and isinstance(base.get("logging"), dict):
+            base["logging"].pop("overwrite", None)  # an action its start took (stored by exgrpo before 2026-12)
         config = load_config(args.config, overrides + [f"logging.output_dir={args.resume}"], base=base)
     else:
         config = load_config(args.config, overrides)

@@ -21,7 +21,8 @@ from exgrpo.evaluation.contamination import screen_benchmark_questions
 from exgrpo.models import load_policy
 from exgrpo.rewards import ChoiceReward, GradingPool, IsolatedReward, MathReward, ReasoningGymReward
 from exgrpo.rewards.functions import import_function
-from exgrpo.runtime.rundir import holds_a_run, lock_run_directory, refuse_existing_run, unlock_run_directory
+from exgrpo.runtime.rundir import (checkpoints_gone, holds_a_run, lock_run_directory, refuse_existing_run,
+                                   unlock_run_directory)
 from exgrpo.training.trainer import ExGRPOTrainer
 
 
@@ -121,7 +122,8 @@ def start_point(config: ExGRPOConfig, resume: bool, log: Callable[[str], None] =
 
     Fresh (`resume` false): the directory must not hold another run unless logging.overwrite. Resume: the newest
     intact checkpoint (broken newer ones are reported); none at all but a run that died before its first
-    checkpoint: start it again from step 0; only broken ones: an error. A config that changes the algorithm
+    checkpoint: start it again from step 0; only broken ones, or a history past a checkpoint that is gone: an
+    error. A config that changes the algorithm
     relative to the checkpoint's is refused with the differing fields; harmless changes are logged.
     """
     directory = config.logging.output_dir
@@ -134,14 +136,7 @@ def start_point(config: ExGRPOConfig, resume: bool, log: Callable[[str], None] =
         raise ConfigError("--resume and logging.overwrite (--overwrite) contradict each other")
     checkpoint = latest_intact_checkpoint(directory)
     if checkpoint is None:
-        if step_dirs(directory):
-            raise CheckpointError(f"{directory}: no intact checkpoint to resume from (see the warnings above); "
-                                  "restore one, or start over with --overwrite")
-        if holds_a_run(directory):
-            if main:
-                log(f"{directory}: the run stopped before its first checkpoint; starting it again from step 0")
-            return replace(config, logging=replace(config.logging, overwrite=True)), None
-        return config, None
+        return _start_again(config, directory, main, log), None
     algorithmic, harmless = config_changes(read_trainer_json(checkpoint)["config"], config.to_dict())
     if algorithmic:
         raise ConfigError(f"cannot resume {checkpoint} with a config that changes the algorithm: "
@@ -149,6 +144,23 @@ def start_point(config: ExGRPOConfig, resume: bool, log: Callable[[str], None] =
     if harmless and main:
         log(f"resuming with changed settings: {'; '.join(harmless)}")
     return config, checkpoint
+
+
+def _start_again(config: ExGRPOConfig, directory: str, main: bool, log: Callable[[str], None]) -> ExGRPOConfig:
+    """Resume without an intact checkpoint: an error when there were checkpoints (broken or removed ones), a fresh
+    start replacing the partial logs of a run that stopped before its first checkpoint."""
+    if step_dirs(directory):
+        raise CheckpointError(f"{directory}: no intact checkpoint to resume from (see the warnings above); "
+                              "restore one, or start over with --overwrite")
+    if not holds_a_run(directory):
+        return config
+    gone = checkpoints_gone(directory)
+    if gone:
+        raise CheckpointError(f"{directory}: {gone}; resuming would start over and replace that history. Restore a "
+                              "checkpoint, or start over with --overwrite, which deletes the run")
+    if main:
+        log(f"{directory}: the run stopped before its first checkpoint; starting it again from step 0")
+    return replace(config, logging=replace(config.logging, overwrite=True))
 
 
 @contextlib.contextmanager

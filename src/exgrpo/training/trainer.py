@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -200,6 +201,11 @@ class ExGRPOTrainer:
                 cleanup.callback(unlock_run_directory, directory)
                 if not self._resumed:
                     claim_run_directory(directory, c.logging.overwrite)
+            self._resumed = True  # the directory holds this run now: a later train() call continues it
+            # overwriting is an action at the start, done now: not a setting of the run (its config.json and
+            # checkpoints say false, so `--resume` takes them as they are)
+            self.config = c = replace(c, logging=replace(c.logging, overwrite=False))
+            if self.dist.is_main:
                 write_text_atomic(Path(directory) / "config.json", json.dumps(c.to_dict(), indent=2))
                 if tracker is None:
                     tracker = Tracker.from_config(c, start_step=self.step)
