@@ -376,6 +376,10 @@ CASES = {  # name: (case, exit code, message on stderr)
     "every prompt longer than data.max_prompt_length": (
         lambda d: train(d, "data.max_prompt_length=2"), 2,
         "data.max_prompt_length (2) is below every training question's prompt: all 55 would be dropped"),
+    "fewer training questions than a step's": (
+        lambda d: train(d, "data.holdout=0", "train.prompts_per_step=8", "data.train=reasoning_gym:basic_arithmetic"
+                        "?size=6&seed=1&min_terms=2&max_terms=2&min_digits=1&max_digits=1&operators=+"), 2,
+        "train.prompts_per_step (8) is more than the 6 training questions (after the held-out split and screening)"),
     "unwritable output directory": (lambda d: train("/dev/null/run"), 2, "/dev/null/run: cannot write there"),
     "disk full while checkpointing": (disk_full_while_checkpointing, 2, "cannot write checkpoint"),
     "disk full while logging": (disk_full_while_logging, 2, "metrics.jsonl: File too large"),
