@@ -123,12 +123,14 @@ def _experiment(args) -> int:
 
 def _serve(args, overrides) -> int:
     """Start (or with --print, show) the `vllm serve` server of a rollout.engine servers run."""
-    from exgrpo.rollout.serve import exec_server, server_command
+    from exgrpo.rollout.serve import exec_server, refuse_a_port_in_use, server_command
 
     config = load_config(args.config, overrides)
     if config.rollout.engine != "servers":
         raise ConfigError(f"exgrpo serve starts the servers of a rollout.engine servers run, not of rollout.engine "
                           f"{config.rollout.engine}")
+    if not args.print:
+        refuse_a_port_in_use(args.host, args.port)
     argv, env = server_command(config, args.host, args.port, args.vllm_args)
     if args.print:
         print(" ".join(f"{k}={v}" for k, v in env.items()), shlex.join(argv))

@@ -2,6 +2,7 @@
 servers themselves are started in tests/rollout/test_servers.py)."""
 
 import shlex
+import socket
 
 from conftest import run_cli
 
@@ -26,6 +27,22 @@ def test_the_server_command_carries_what_the_run_needs(monkeypatch):
     assert "--enable-scale-out" in argv and "--no-enable-chunked-prefill" in argv
     assert "--logprobs-mode" in argv and argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"
     assert argv[-2:] == ["--api-key", "secret"]  # after --: vLLM's, as given
+
+
+def test_serve_on_a_port_in_use_says_so_before_vllm_starts(monkeypatch):
+    monkeypatch.chdir(__file__.rsplit("/tests/", 1)[0])
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run_cli(["serve", *SERVERS, "rollout.max_model_len=128", "--port", str(port)])
+    assert result.returncode == 2, result.stderr
+    assert f"exgrpo serve cannot listen on 127.0.0.1:{port}: Address already in use (another server there? pick " \
+        "another --port)" in result.stderr and "Traceback" not in result.stderr
+    result = run_cli(["serve", *SERVERS, "rollout.max_model_len=128", "--host", "no-such-host.invalid", "--port",
+                      str(port)])
+    assert result.returncode == 2 and "exgrpo serve --host no-such-host.invalid: not an address of this machine" \
+        in result.stderr, result.stderr
 
 
 def test_a_server_command_that_cannot_be_assembled_says_why(monkeypatch):

@@ -29,7 +29,7 @@ def build_engine(config: ExGRPOConfig, model, tokenizer, longest_prompt: Callabl
         return ServerEngine(model, tokenizer, r.server_urls, backend=r.weight_transfer, dtype=engine_precision(config),
                             transfer_address=r.transfer_address, transfer_port=r.transfer_port,
                             max_concurrency=r.generation_batch_size, request_timeout=r.generation_timeout,
-                            sync_timeout=r.sync_timeout)
+                            sync_timeout=r.sync_timeout, max_model_len=r.max_model_len)
     from exgrpo.rollout.vllm import VLLMEngine
 
     max_model_len = r.max_model_len or longest_prompt() + r.max_completion_length

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from exgrpo.config import ConfigError, ExGRPOConfig, engine_precision
+from exgrpo.errors import ExgrpoError
 from exgrpo.models import SMOLLM2_PRESET, TINY_PRESET, smollm2_directory
 
 #: the worker extension the servers load: importing it registers our weight-transfer backends in their workers
@@ -82,6 +83,26 @@ def _model_directory(name: str) -> str:
         raise ConfigError(f"model.name {name} is a LoRA adapter: serve its base model ({base}); the learner pushes "
                           "its merged weights when it connects")
     return name
+
+
+def refuse_a_port_in_use(host: str, port: int) -> None:
+    """`exgrpo serve` on an address it cannot listen on (another server there, a host that is not this machine's):
+    said at once, before vLLM spends a minute loading only to fail on it."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise ExgrpoError(f"exgrpo serve --host {host}: not an address of this machine ({e.strerror or e})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        # as servers bind: a closed connection's TIME_WAIT is no obstacle, a listening socket is
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ExgrpoError(f"exgrpo serve cannot listen on {host}:{port}: {e.strerror or e} (another server "
+                              "there? pick another --port)") from None
 
 
 def exec_server(argv: list[str], env: dict) -> None:
