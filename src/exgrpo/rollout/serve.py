@@ -25,7 +25,10 @@ import torch
 from exgrpo.config import ConfigError, ExGRPOConfig, engine_precision
 from exgrpo.errors import ExgrpoError
 from exgrpo.models import SMOLLM2_PRESET, TINY_PRESET, smollm2_directory
+from exgrpo.runtime.scratch import owned_temp_dir
 
+#: a server's scratch directory in the temp directory (its IPC sockets and vllm_dist_* files): <prefix><pid>-XXXX
+SCRATCH_PREFIX = "exgrpo-serve-"
 #: the worker extension the servers load: importing it registers our weight-transfer backends in their workers
 WORKER_EXTENSION = "exgrpo.rollout.weight_transfer.WorkerExtension"
 
@@ -106,5 +109,8 @@ def refuse_a_port_in_use(host: str, port: int) -> None:
 
 
 def exec_server(argv: list[str], env: dict) -> None:
-    """Replace this process with the server (signals, exit status and logs are vLLM's own)."""
-    os.execvpe(argv[0], argv, {**os.environ, **env})
+    """Replace this process with the server (signals, exit status and logs are vLLM's own). vLLM's IPC sockets and
+    `vllm_dist_*` files, which it leaves in the temp directory, go into a directory named after this process (the
+    server keeps its pid), and the next `exgrpo serve` on the machine removes those of servers that are gone."""
+    scratch = owned_temp_dir(SCRATCH_PREFIX)
+    os.execvpe(argv[0], argv, {**os.environ, **env, "VLLM_RPC_BASE_PATH": scratch, "TMPDIR": scratch})
