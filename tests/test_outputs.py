@@ -93,6 +93,21 @@ def test_export_never_writes_into_a_checkpoint_and_names_an_unwritable_place(tmp
     assert run_cli(["train", "--resume", str(tmp_path / "run"), "train.steps=1"]).returncode == 0  # still intact
 
 
+@pytest.mark.parametrize("out, message", [
+    ("run", "{out} holds {run}, which the export reads; OUT must be another directory"),
+    (".", "{out} holds {run}, which the export reads"),
+    ("other-run", "{out} is a run directory; an export never replaces a run"),
+])
+def test_export_never_replaces_a_run_or_its_own_source(tmp_path, out, message):
+    _train(tmp_path / "run")
+    _train(tmp_path / "other-run")
+    (tmp_path / "config.json").write_text("{}")  # tmp_path looks like an earlier export to --overwrite
+    out = tmp_path / out
+    result = run_cli(["export", str(tmp_path / "run"), str(out), "--overwrite"])
+    assert result.returncode == 2 and message.format(out=out, run=tmp_path / "run") in result.stderr, result.stderr
+    assert (tmp_path / "run" / "metrics.jsonl").is_file() and (tmp_path / "other-run" / "checkpoints").is_dir()
+
+
 def test_export_merge_of_a_full_fine_tuning_run_says_there_is_no_adapter(tmp_path):
     _train(tmp_path / "run")
     result = run_cli(["export", str(tmp_path / "run"), str(tmp_path / "out"), "--merge"])

@@ -117,7 +117,15 @@ def _experiment(args) -> int:
     if left_out:
         raise ConfigError(f"--arms {' '.join(args.arms)} leaves out {', '.join(left_out)} (the baseline and the "
                           "--main arms are always reported)")
-    print(write_study_report(study, args.output, main_arms, args.arms))
+    output = Path(args.output)
+    existing = next(p for p in (output, *output.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ExgrpoError(f"--output {output}: {existing} is a file; --output must be a directory")
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ExgrpoError(f"--output {output}: cannot write there ({e.strerror or e})") from None
+    print(write_study_report(study, output, main_arms, args.arms))
     return 0
 
 
@@ -192,8 +200,19 @@ def _add_serve_parser(sub) -> None:
                        epilog="Any config field can be overridden: section.field=value or --section.field value")
     p.add_argument("--config", help="the run's YAML config file")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--port", type=_port, required=True)
     p.add_argument("--print", action="store_true", help="print the command instead of running it")
+
+
+def _port(text: str) -> int:
+    """A TCP port number (argparse type): 1 to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (1 to 65535)")
+    return port
 
 
 def _add_export_parser(sub) -> None:

@@ -44,7 +44,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike, *, merge: bool = F
     """Write the model of `source` (a run or a checkpoint) to `out`; `merge` merges a LoRA adapter into its base.
     Returns the checkpoint exported. Every refusal and failure is an ExgrpoError naming the path."""
     out = Path(out)
-    check_export_target(out, overwrite)
+    check_export_target(out, overwrite, Path(source))
     staging = _staging(out)
     try:
         checkpoint, (model, tokenizer) = _read(Path(source), log)
@@ -61,10 +61,11 @@ def export(source: str | os.PathLike, out: str | os.PathLike, *, merge: bool = F
     return checkpoint
 
 
-def check_export_target(out: Path, overwrite: bool) -> None:
+def check_export_target(out: Path, overwrite: bool, source: Path | None = None) -> None:
     """OUT must be a directory that is absent, empty, or (with --overwrite) an earlier export, which is replaced;
-    never inside a run's checkpoints."""
+    never inside a run's checkpoints, never a run directory, never the source or a directory holding it."""
     _refuse_inside_checkpoints(out)
+    _refuse_over_a_run(out, source)
     if out.exists() and not out.is_dir():
         raise ExgrpoError(f"{out} is a file; OUT must be a directory")
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
@@ -89,6 +90,17 @@ def _refuse_inside_checkpoints(out: Path) -> None:
         raise ExgrpoError(f"{out} is inside {where}: an export never writes there (it would change what a "
                           "checkpoint's manifest vouches for, and --resume would find no intact checkpoint); pick a "
                           "directory outside it")
+
+
+def _refuse_over_a_run(out: Path, source: Path | None) -> None:
+    """Replacing OUT whole (--overwrite) must never delete a run, or what the export reads."""
+    real = Path(os.path.realpath(out))
+    if source is not None and source.exists():
+        read = Path(os.path.realpath(source))
+        if read == real or real in read.parents:
+            raise ExgrpoError(f"{out} holds {source}, which the export reads; OUT must be another directory")
+    if real.is_dir() and any((real / name).exists() for name in ("metrics.jsonl", ".lock", "checkpoints")):
+        raise ExgrpoError(f"{out} is a run directory; an export never replaces a run: pick another directory")
 
 
 def _is_run(directory: Path) -> bool:

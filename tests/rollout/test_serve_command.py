@@ -56,7 +56,10 @@ def test_a_server_keeps_vllms_ipc_files_in_a_directory_the_next_server_sweeps(tm
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here: exgrpo serve would start a real server")
     root = __file__.rsplit("/tests/", 1)[0]
-    command = [sys.executable, "-m", "exgrpo", "serve", *SERVERS, "rollout.max_model_len=128", "--port", "0"]
+    with socket.socket() as probe:  # a port free now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "exgrpo", "serve", *SERVERS, "rollout.max_model_len=128", "--port", str(port)]
     env = {**os.environ, "TMPDIR": str(tmp_path), "HF_HUB_OFFLINE": "1"}
     first = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert "No module named 'vllm'" in first.stderr, first.stderr[-3000:]  # exec'd: vLLM's own server module
@@ -65,6 +68,12 @@ def test_a_server_keeps_vllms_ipc_files_in_a_directory_the_next_server_sweeps(tm
     subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
     now = sorted(p.name for p in tmp_path.glob("exgrpo-serve-*"))
     assert len(now) == 1 and now != left  # the first server's is gone, the second's waits for the next
+
+
+@pytest.mark.parametrize("port", ["-1", "0", "70000", "http"])
+def test_serve_refuses_a_port_that_is_no_port_number(port):
+    result = run_cli(["serve", *SERVERS, "rollout.max_model_len=128", "--port", port])
+    assert result.returncode == 2 and f"argument --port: {port!r} is not a port number (1 to 65535)" in result.stderr
 
 
 def test_a_server_command_that_cannot_be_assembled_says_why(monkeypatch):
