@@ -386,6 +386,10 @@ CASES = {  # name: (case, exit code, message on stderr)
     "buffer of a directory that is no run": (lambda d: run_cli(["buffer", str(d.parent)]), 2,
                                              "neither a run directory with checkpoints nor a checkpoint (no "
                                              "buffer.safetensors in it)"),
+    "buffer with a negative number of examples": (lambda d: run_cli(["buffer", str(d.parent), "--examples", "-1"]), 2,
+                                                  "--examples must be >= 0 (got -1)"),
+    "reward raising KeyboardInterrupt, in-process": (lambda d: failing_reward(d, "interrupts"), 2,
+                                                     "(all 4 exited: it raised SystemExit or KeyboardInterrupt"),
     "buffer of a missing path": (lambda d: run_cli(["buffer", str(d / "nope")]), 2,
                                  "nope: no such run or checkpoint directory"),
     "buffer of a checkpoint with a truncated buffer": (buffer_of_a_checkpoint_with_a_truncated_buffer, 2,

@@ -2,6 +2,7 @@
 checkpoints load with plain transformers, `exgrpo export`, unverified checkpoints, duplicate YAML keys, non-UTF-8
 configs, eval's sampling values."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -117,9 +118,11 @@ def test_export_merge_of_a_full_fine_tuning_run_says_there_is_no_adapter(tmp_pat
            "adapter)" in result.stderr
 
 
-def test_export_of_a_live_run_takes_the_next_intact_checkpoint_when_its_pick_is_pruned(tmp_path, monkeypatch):
-    """The run prunes the checkpoint the export picked while the export reads it (done here, at the exact point,
-    as the run's pruning does it: renamed away, then deleted): the export reads the newest intact one instead."""
+@pytest.mark.parametrize("command", ["export", "buffer"])
+def test_a_live_run_read_from_outside_takes_the_next_intact_checkpoint_when_its_pick_is_pruned(tmp_path, monkeypatch,
+                                                                                                command):
+    """The run prunes the checkpoint `exgrpo export` (or `buffer`) picked while it reads it (done here, at the exact
+    point, as the run's pruning does it: renamed away, then deleted): it reads the newest intact one instead."""
     import transformers
 
     run = tmp_path / "run"
@@ -135,10 +138,16 @@ def test_export_of_a_live_run_takes_the_next_intact_checkpoint_when_its_pick_is_
         return original(path, *args, **kwargs)
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", pruned_while_read)
-    result = run_cli(["export", str(run), str(tmp_path / "out")])
+    result = run_cli(["export", str(run), str(tmp_path / "out")] if command == "export" else
+                     ["buffer", str(run), "--json"])
     assert result.returncode == 0, result.stderr
     assert "step-000002 was pruned by its run while it was read; taking the run's newest intact checkpoint" \
-        in result.stderr and f"exported {run / 'checkpoints' / 'step-000001'} to" in result.stderr
+        in result.stderr and "Traceback" not in result.stderr
+    read = run / "checkpoints" / "step-000001"
+    if command == "export":
+        assert f"exported {read} to" in result.stderr
+    else:
+        assert json.loads(result.stdout)["checkpoint"] == str(read)
     assert not list(tmp_path.glob(".out.tmp-*"))
 
 

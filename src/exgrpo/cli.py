@@ -157,28 +157,36 @@ def _export(args) -> int:
 
 def _buffer(args) -> int:
     """What the experience buffer of a run (its newest intact checkpoint) or a checkpoint holds."""
-    from exgrpo.experience.buffer import ExperienceBuffer
     from exgrpo.experience.summary import buffer_summary, print_summary
-    from exgrpo.export import checkpoint_of
-    from exgrpo.runtime.checkpoint import read_trainer_json
+    from exgrpo.export import read_checkpoint
 
-    source = checkpoint_of(args.source, "buffer.safetensors")
-    decode = None
-    if (source / "model").is_dir() and args.examples:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(source / "model")
-        decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    try:
-        buffer = ExperienceBuffer.load(source / "buffer.safetensors")
+    if args.examples < 0:
+        raise ExgrpoError(f"--examples must be >= 0 (got {args.examples})")
+    try:  # a checkpoint a live run prunes while it is read gives way to its newest intact one
+        source, (buffer, step, decode) = read_checkpoint(args.source, "buffer.safetensors",
+                                                         lambda c: _read_buffer(c, args.examples), _note)
     except ValueError as e:
         raise ExgrpoError(str(e)) from None
-    summary = buffer_summary(buffer, read_trainer_json(source)["step"], args.examples, decode)
+    summary = buffer_summary(buffer, step, args.examples, decode)
     if args.json:
         print(json.dumps({"checkpoint": str(source), **summary}, indent=2))
     else:
         print_summary(summary, str(source))
     return 0
+
+
+def _read_buffer(checkpoint: Path, examples: int):
+    """A checkpoint's experience buffer, step and (when examples are shown) a decoder of its token ids."""
+    from exgrpo.experience.buffer import ExperienceBuffer
+    from exgrpo.runtime.checkpoint import read_trainer_json
+
+    decode = None
+    if (checkpoint / "model").is_dir() and examples:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint / "model")
+        decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    return ExperienceBuffer.load(checkpoint / "buffer.safetensors"), read_trainer_json(checkpoint)["step"], decode
 
 
 def _add_buffer_parser(sub) -> None:

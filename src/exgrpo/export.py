@@ -12,10 +12,11 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from exgrpo.errors import ExgrpoError
 
+T = TypeVar("T")
 _ATTEMPTS = 10  # checkpoints of a live run tried before giving up (each one pruned while it was read)
 
 
@@ -47,7 +48,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike, *, merge: bool = F
     check_export_target(out, overwrite, Path(source))
     staging = _staging(out)
     try:
-        checkpoint, (model, tokenizer) = _read(Path(source), log)
+        checkpoint, (model, tokenizer) = read_checkpoint(source, "model", _load_model, log)
         merged = merge and hasattr(model, "merge_and_unload")
         _write(model.merge_and_unload() if merged else model, tokenizer, staging, out)
     finally:
@@ -123,25 +124,32 @@ def _staging(out: Path) -> Path:
         raise ExgrpoError(f"cannot write the export to {out}: {e.strerror or e}") from None
 
 
-def _read(source: Path, log: Callable[[str], None]) -> tuple[Path, tuple[Any, Any]]:
-    """The checkpoint to export and its (model, tokenizer), read whole: a checkpoint of a run that disappears while
-    it is read (pruned by the live run) gives way to the run's newest intact checkpoint then."""
-    from exgrpo.models import load_policy
-
+def read_checkpoint(source: str | os.PathLike, needed: str, read: Callable[[Path], T],
+                    log: Callable[[str], None]) -> tuple[Path, T]:
+    """The checkpoint of `source` (see `checkpoint_of`) and `read(checkpoint)`, read whole: a checkpoint of a run
+    that disappears while it is read (pruned by the live run) gives way to the run's newest intact checkpoint then.
+    An error reading a checkpoint that is still there is raised (an OSError as an ExgrpoError naming it)."""
+    source = Path(source)
     for _ in range(_ATTEMPTS):
-        checkpoint = checkpoint_of(source, "model")
+        checkpoint = checkpoint_of(source, needed)
         try:
-            return checkpoint, load_policy(str(checkpoint / "model"))
+            return checkpoint, read(checkpoint)
         except Exception as e:
             if checkpoint.exists():
                 if isinstance(e, OSError):
-                    raise ExgrpoError(f"cannot read {checkpoint / 'model'}: {e.strerror or e}") from None
+                    raise ExgrpoError(f"cannot read {checkpoint / needed}: {e.strerror or e}") from None
                 raise
             if checkpoint == source:
                 raise ExgrpoError(f"{checkpoint} was removed while it was read") from None
         log(f"{checkpoint.name} was pruned by its run while it was read; taking the run's newest intact checkpoint")
-    raise ExgrpoError(f"{source}: {_ATTEMPTS} checkpoints in a row were pruned while they were read; export a "
+    raise ExgrpoError(f"{source}: {_ATTEMPTS} checkpoints in a row were pruned while they were read; read a "
                       "checkpoint of the run once it has stopped, or one it keeps (train.save_total_limit)")
+
+
+def _load_model(checkpoint: Path) -> tuple[Any, Any]:
+    from exgrpo.models import load_policy
+
+    return load_policy(str(checkpoint / "model"))
 
 
 def _write(model: Any, tokenizer: Any, staging: Path, out: Path) -> None:
