@@ -61,6 +61,15 @@ def test_a_url_that_answers_but_is_not_a_vllm_server_is_said_in_one_line(status,
     assert "<html" not in message and len(message) < 400, message
 
 
+def test_a_url_where_nothing_listens_is_said_in_the_systems_words():
+    with _serving(200) as url:
+        pass  # the port is free again
+    with pytest.raises(EngineError) as info:
+        ServerPool([url], timeout=10)
+    assert str(info.value) == (f"the vLLM server {url} did not answer /get_world_size: Connection refused (nothing "
+                               "listens there: is the server started?)")
+
+
 def _served(max_model_len: int) -> dict:
     """A server's `/server_info` vLLM config as `exgrpo serve` starts it."""
     return {"weight_transfer_config": {"backend": "exgrpo_gloo"},

@@ -92,7 +92,7 @@ class ServerPool:
                                   f"{e.response.status_code}: {said}") from None
             except requests.RequestException as e:
                 path = e.request.path_url if e.request is not None else "a request"
-                raise EngineError(f"the vLLM server {url} did not answer {path}: {type(e).__name__}: {e}") from None
+                raise EngineError(f"the vLLM server {url} did not answer {path}: {_reason(e)}") from None
         return results
 
     def _get(self, j: int, path: str) -> Any:
@@ -158,6 +158,17 @@ def answer(content_type: str | None, text: str) -> str:
         return text[:500]
     return (f"a {kind or 'untyped'} answer of {len(text)} characters, not a vLLM server's JSON (is the URL that of a "
             "server started with `exgrpo serve`?)")
+
+
+def _reason(error: Exception) -> str:
+    """A failed request's cause in the operating system's words where there are some ("Connection refused: nothing
+    listens there"), not urllib3's nested retry report."""
+    import re
+
+    found = re.search(r"\[Errno -?\d+\] ([^'\")]+)", str(error))
+    if found and "refused" in found.group(1):
+        return f"{found.group(1)} (nothing listens there: is the server started?)"
+    return found.group(1) if found else f"{type(error).__name__}: {error}"
 
 
 def _json(url: str, path: str, response) -> Any:
