@@ -5,6 +5,7 @@ Each case function gets a fresh directory and returns the finished process (or a
 table below pairs it with the exit code and a message that must appear on stderr.
 """
 
+import importlib.util
 import json
 import os
 import resource
@@ -390,6 +391,10 @@ CASES = {  # name: (case, exit code, message on stderr)
                                                   "--examples must be >= 0 (got -1)"),
     "reward raising KeyboardInterrupt, in-process": (lambda d: failing_reward(d, "interrupts"), 2,
                                                      "(all 4 exited: it raised SystemExit or KeyboardInterrupt"),
+    "servers engine without vLLM installed": (
+        lambda d: pytest.skip("vLLM is installed here") if importlib.util.find_spec("vllm") else
+        train(d, "rollout.engine=servers", "rollout.servers=http://127.0.0.1:9", "rollout.mode=async"), 2,
+        "rollout.engine servers needs vLLM, which is not installed: pip install 'exgrpo[vllm]'"),
     "buffer of a missing path": (lambda d: run_cli(["buffer", str(d / "nope")]), 2,
                                  "nope: no such run or checkpoint directory"),
     "buffer of a checkpoint with a truncated buffer": (buffer_of_a_checkpoint_with_a_truncated_buffer, 2,

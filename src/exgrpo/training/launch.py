@@ -21,6 +21,7 @@ from exgrpo.evaluation.contamination import screen_benchmark_questions
 from exgrpo.models import load_policy
 from exgrpo.rewards import ChoiceReward, GradingPool, IsolatedReward, MathReward, ReasoningGymReward
 from exgrpo.rewards.functions import import_function
+from exgrpo.rollout import require_engine
 from exgrpo.runtime.rundir import (checkpoints_gone, holds_a_run, lock_run_directory, refuse_existing_run,
                                    unlock_run_directory)
 from exgrpo.training.trainer import ExGRPOTrainer
@@ -70,6 +71,7 @@ def build_run(config: ExGRPOConfig, log: Callable[[str], None] = print) -> Run:
         holdout = screen_benchmark_questions(holdout, c.data.benchmark_overlap, f"data.eval {c.data.eval}",
                                              c.data.prompt_suffix)
     _refuse_async_without_its_engine(c)
+    require_engine(c.rollout.engine)  # before the model loads
     model, tokenizer = load_policy(c.model.name, dtype=c.model.dtype, lora=c.model.lora)
     pool = GradingPool(num_workers=c.reward.workers, timeout=c.reward.timeout)
     reward_funcs = build_reward_funcs(c, pool)
