@@ -10,7 +10,7 @@ UV_INSTALL = $(UV) pip install --quiet \
 	$(addprefix --find-links ,$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 VLLM_VENV := .venv-vllm
 # the tests that need vLLM (test_servers.py is heavy: it starts two `vllm serve` servers)
-VLLM_TESTS := tests/rollout/test_vllm.py tests/rollout/test_servers.py
+VLLM_TESTS := tests/rollout/test_vllm.py tests/rollout/test_servers.py tests/rollout/test_server_checks.py
 VLLM_STAMP := $(VLLM_VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false

@@ -129,6 +129,12 @@ CASES = {
     "servers that are not URLs": (lambda p: load_config(None, ["rollout.engine=servers",
                                                                "rollout.servers=127.0.0.1:8000"]),
                                   _raises(ConfigError, "rollout.servers must be http(s)://host:port URLs")),
+    "a server URL whose port is not a number": (
+        lambda p: load_config(None, ["rollout.engine=servers", "rollout.servers=http://127.0.0.1:notaport"]),
+        _raises(ConfigError, "'http://127.0.0.1:notaport' has no valid port ('notaport' is not a number from 1 to")),
+    "an empty entry among the servers": (
+        lambda p: load_config(None, ["rollout.engine=servers", "rollout.servers=http://127.0.0.1:8000,,"]),
+        _raises(ConfigError, "rollout.servers has an empty entry (a comma too many?): 'http://127.0.0.1:8000,,'")),
     "servers for another engine": (lambda p: load_config(None, ["rollout.servers=http://127.0.0.1:8000"]),
                                    _raises(ConfigError, "rollout.servers (the servers' base URLs) goes with")),
     # datasets
@@ -152,6 +158,8 @@ CASES = {
     # graders and rewards
     "grader that hangs": (_timeout, lambda action: action()),
     "grader that crashes": (_crash, lambda action: action()),
+    "negative number of grading workers": (lambda p: GradingPool(num_workers=-1),
+                                           _raises(ValueError, "num_workers must be >= 0 (0 grades in-process)")),
     "reward function returning the wrong length": (
         lambda p: combine_rewards([lambda **kw: [1.0]], [1.0], ["a", "b"], ["x", "y"], [[1], [2]],
                                   {"answer": ["1", "2"]}),

@@ -5,9 +5,11 @@ Each case function gets a fresh directory and returns the finished process (or a
 table below pairs it with the exit code and a message that must appear on stderr.
 """
 
+import importlib.util
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -134,6 +136,39 @@ def killed_before_the_first_checkpoint(d):
     return resumed
 
 
+def resume_as_stored(d, *overrides):
+    """`exgrpo train --resume RUN`: the run's own config.json, no config file."""
+    return run_cli(["train", "--resume", str(d), *overrides], env=ENV)
+
+
+def resume_of_a_run_started_over(d):
+    assert train(d).returncode == 0 and train(d, "--overwrite").returncode == 0  # the README's "start over"
+    assert json.loads((Path(d) / "config.json").read_text())["logging"]["overwrite"] is False  # an action, done
+    resumed = resume_as_stored(d, "train.steps=3")
+    assert steps(d) == [1, 2, 3]
+    return resumed
+
+
+def resume_of_a_run_that_stored_overwrite(d):
+    assert train(d).returncode == 0
+    config = json.loads((Path(d) / "config.json").read_text())
+    config["logging"]["overwrite"] = True  # as exgrpo stored it before: a run started with --overwrite
+    (Path(d) / "config.json").write_text(json.dumps(config))
+    resumed = resume_as_stored(d, "train.steps=3")
+    assert steps(d) == [1, 2, 3]
+    return resumed
+
+
+def resume_with_every_checkpoint_removed(d):
+    assert train(d, "train.steps=3").returncode == 0
+    for checkpoint in (Path(d) / "checkpoints").iterdir():
+        shutil.rmtree(checkpoint)
+    history = (Path(d) / "metrics.jsonl").read_text()
+    refused = train(d, "--resume", str(d), "train.steps=4")
+    assert (Path(d) / "metrics.jsonl").read_text() == history  # kept, not replaced
+    return refused
+
+
 def one_unretired_question_left(d):
     done = train(d, "experience.ratio=0", "experience.retirement=immediate",
                  "reward.function=toy_rewards:all_but_answer_15", "train.steps=6",
@@ -228,6 +263,17 @@ def disk_full_while_logging(d):
     return failed
 
 
+FOUR_COMPLETIONS = ("train.prompts_per_step=2", "rollout.num_generations=2")  # 4 completions a step
+
+
+def failing_reward(d, function, *args, workers=0):
+    """A run whose reward `toy_rewards:<function>` fails on every completion: it stops at step 1, saving nothing."""
+    result = train(d, f"reward.function=toy_rewards:{function}", f"reward.workers={workers}", *FOUR_COMPLETIONS,
+                   *args, isolated=workers > 0)
+    assert steps(d) == [] and checkpoints(d) == []
+    return result
+
+
 def buffer_of_a_checkpoint_with_a_truncated_buffer(d):
     assert train(d, "train.steps=1").returncode == 0
     checkpoint = Path(d) / "checkpoints" / "step-000001"
@@ -259,6 +305,13 @@ CASES = {  # name: (case, exit code, message on stderr)
     "torn last line of metrics.jsonl": (torn_last_metrics_line, 0, "resumed from"),
     "killed before the first checkpoint": (killed_before_the_first_checkpoint, 0,
                                            "stopped before its first checkpoint; starting it again from step 0"),
+    "resume of a run started over with --overwrite": (resume_of_a_run_started_over, 0, "resumed from"),
+    "resume of a run whose config.json stored overwrite: true": (resume_of_a_run_that_stored_overwrite, 0,
+                                                                 "resumed from"),
+    "resume with every checkpoint removed": (
+        resume_with_every_checkpoint_removed, 2,
+        "its history (metrics.jsonl) reaches step 3, past its first checkpoint (step 1, train.save_every 1), but no "
+        "checkpoint is left in"),
     "one unretired question left (GRPO)": (one_unretired_question_left, 0, ""),
     "learning rate inf": (lambda d: train(d, "train.learning_rate=.inf"), 2,
                           "train.learning_rate must be a finite number"),
@@ -296,17 +349,52 @@ CASES = {  # name: (case, exit code, message on stderr)
         lambda d: train(d, "reward.function=toy_rewards:returns_two_rewards"), 2, "returned [1.0, 0.0] for one"),
     "reward raising on some completions": (raising_on_some_completions, 0, "the first failure:\nKeyError"),
     "SIGKILL of a learner with grading workers": (sigkill_of_a_learner_with_grading_workers, 0, "resumed from"),
-    "grading timeouts": (grading_timeouts, 0, "grading failed for some completions (1 timeouts"),
+    "grading timeouts": (grading_timeouts, 0, "failed on 1 of 16 (1 timed out: raise reward.timeout if correct"),
+    "reward hanging on every completion, in-process": (
+        lambda d: failing_reward(d, "hangs", "reward.timeout=0.5"), 2,
+        "failed on every one of the 4 completions it graded (all 4 timed out: raise reward.timeout"),
+    "reward hanging on every completion, in workers": (
+        lambda d: failing_reward(d, "hangs", "reward.timeout=1", workers=2), 2,
+        "failed on every one of the 4 completions it graded (all 4 timed out: raise reward.timeout"),
+    "reward busy-looping on every completion, in-process": (
+        lambda d: failing_reward(d, "busy_loop", "reward.timeout=0.5"), 2, "(all 4 timed out: "),
+    "reward raising SystemExit(0), in-process": (
+        lambda d: failing_reward(d, "exits"), 2, "(all 4 exited: it raised SystemExit or KeyboardInterrupt"),
+    "reward raising SystemExit(0), in workers": (lambda d: failing_reward(d, "exits", workers=2), 2,
+                                                 "the first failure:\nSystemExit: 0"),
+    "reward raising KeyboardInterrupt, in workers": (lambda d: failing_reward(d, "interrupts", workers=2), 2,
+                                                     "(all 4 exited: it raised SystemExit or KeyboardInterrupt"),
+    "reward calling os._exit, in workers": (
+        lambda d: failing_reward(d, "ends_the_process", workers=2), 2,
+        "(all 4 crashed: its grading worker died (os._exit(), a crash in native code, or out of memory)); the first "
+        "failure:\nits grading worker died (exit code 0)"),
     "Ctrl-C while grading": (ctrl_c_while_grading, 128 + signal.SIGINT, "SIGINT: checkpointing at step"),
     "a hung reward graded in-process": (in_process_grading_timeouts, 0, "grading failed for some completions"),
     "SIGTERM twice while a reward hangs": (sigterm_twice_in_a_hung_reward, 128 + signal.SIGTERM,
                                            "SIGTERM again: stopped at once"),
+    "held-out set as large as the training data": (lambda d: train(d, "data.holdout=1000"), 2,
+                                                   "data.holdout (1000) must be less than the "),
+    "every prompt longer than data.max_prompt_length": (
+        lambda d: train(d, "data.max_prompt_length=2"), 2,
+        "data.max_prompt_length (2) is below every training question's prompt: all 55 would be dropped"),
+    "fewer training questions than a step's": (
+        lambda d: train(d, "data.holdout=0", "train.prompts_per_step=8", "data.train=reasoning_gym:basic_arithmetic"
+                        "?size=6&seed=1&min_terms=2&max_terms=2&min_digits=1&max_digits=1&operators=+"), 2,
+        "train.prompts_per_step (8) is more than the 6 training questions (after the held-out split and screening)"),
     "unwritable output directory": (lambda d: train("/dev/null/run"), 2, "/dev/null/run: cannot write there"),
     "disk full while checkpointing": (disk_full_while_checkpointing, 2, "cannot write checkpoint"),
     "disk full while logging": (disk_full_while_logging, 2, "metrics.jsonl: File too large"),
     "buffer of a directory that is no run": (lambda d: run_cli(["buffer", str(d.parent)]), 2,
                                              "neither a run directory with checkpoints nor a checkpoint (no "
                                              "buffer.safetensors in it)"),
+    "buffer with a negative number of examples": (lambda d: run_cli(["buffer", str(d.parent), "--examples", "-1"]), 2,
+                                                  "--examples must be >= 0 (got -1)"),
+    "reward raising KeyboardInterrupt, in-process": (lambda d: failing_reward(d, "interrupts"), 2,
+                                                     "(all 4 exited: it raised SystemExit or KeyboardInterrupt"),
+    "servers engine without vLLM installed": (
+        lambda d: pytest.skip("vLLM is installed here") if importlib.util.find_spec("vllm") else
+        train(d, "rollout.engine=servers", "rollout.servers=http://127.0.0.1:9", "rollout.mode=async"), 2,
+        "rollout.engine servers needs vLLM, which is not installed: pip install 'exgrpo[vllm]'"),
     "buffer of a missing path": (lambda d: run_cli(["buffer", str(d / "nope")]), 2,
                                  "nope: no such run or checkpoint directory"),
     "buffer of a checkpoint with a truncated buffer": (buffer_of_a_checkpoint_with_a_truncated_buffer, 2,

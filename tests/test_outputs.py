@@ -2,6 +2,7 @@
 checkpoints load with plain transformers, `exgrpo export`, unverified checkpoints, duplicate YAML keys, non-UTF-8
 configs, eval's sampling values."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -73,6 +74,83 @@ def test_export_refuses_bad_targets_in_one_line(tmp_path, make_out, flags, messa
     assert not out.is_dir() or not list(out.glob("*.safetensors"))  # nothing written there
 
 
+@pytest.mark.parametrize("out, message", [
+    ("a-file/out", "cannot write the export to {out}: {tmp}/a-file is a file, not a directory"),
+    ("/sys/exgrpo-export", "cannot write the export to {out}: "),  # a read-only place
+    ("run/checkpoints/step-000001/model", "{out} is inside the checkpoints of the run {run}: an export never writes"),
+    ("run/checkpoints/export", "{out} is inside the checkpoints of the run {run}"),
+    ("run/checkpoints/step-000001/export", "{out} is inside the checkpoints of the run {run}"),
+])
+def test_export_never_writes_into_a_checkpoint_and_names_an_unwritable_place(tmp_path, out, message):
+    checkpoint = _train(tmp_path / "run")
+    (tmp_path / "a-file").write_text("x")
+    before = sorted((p.relative_to(checkpoint), p.stat().st_mtime_ns) for p in checkpoint.rglob("*"))
+    out = tmp_path / out
+    result = run_cli(["export", str(tmp_path / "run"), str(out), "--overwrite"])
+    assert result.returncode == 2, result.stderr
+    assert message.format(out=out, run=tmp_path / "run", tmp=tmp_path) in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert sorted((p.relative_to(checkpoint), p.stat().st_mtime_ns) for p in checkpoint.rglob("*")) == before
+    assert run_cli(["train", "--resume", str(tmp_path / "run"), "train.steps=1"]).returncode == 0  # still intact
+
+
+@pytest.mark.parametrize("out, message", [
+    ("run", "{out} holds {run}, which the export reads; OUT must be another directory"),
+    (".", "{out} holds {run}, which the export reads"),
+    ("other-run", "{out} is a run directory; an export never replaces a run"),
+])
+def test_export_never_replaces_a_run_or_its_own_source(tmp_path, out, message):
+    _train(tmp_path / "run")
+    _train(tmp_path / "other-run")
+    (tmp_path / "config.json").write_text("{}")  # tmp_path looks like an earlier export to --overwrite
+    out = tmp_path / out
+    result = run_cli(["export", str(tmp_path / "run"), str(out), "--overwrite"])
+    assert result.returncode == 2 and message.format(out=out, run=tmp_path / "run") in result.stderr, result.stderr
+    assert (tmp_path / "run" / "metrics.jsonl").is_file() and (tmp_path / "other-run" / "checkpoints").is_dir()
+
+
+def test_export_merge_of_a_full_fine_tuning_run_says_there_is_no_adapter(tmp_path):
+    _train(tmp_path / "run")
+    result = run_cli(["export", str(tmp_path / "run"), str(tmp_path / "out"), "--merge"])
+    assert result.returncode == 0 and (tmp_path / "out" / "model.safetensors").is_file(), result.stderr
+    assert "LoRA merged" not in result.stderr
+    assert "--merge had nothing to merge: the checkpoint holds full weights (a full fine-tuning run, no LoRA " \
+           "adapter)" in result.stderr
+
+
+@pytest.mark.parametrize("command", ["export", "buffer"])
+def test_a_live_run_read_from_outside_takes_the_next_intact_checkpoint_when_its_pick_is_pruned(tmp_path, monkeypatch,
+                                                                                                command):
+    """The run prunes the checkpoint `exgrpo export` (or `buffer`) picked while it reads it (done here, at the exact
+    point, as the run's pruning does it: renamed away, then deleted): it reads the newest intact one instead."""
+    import transformers
+
+    run = tmp_path / "run"
+    _train(run)
+    assert run_cli(["train", "--resume", str(run), "train.steps=2"]).returncode == 0
+    newest = run / "checkpoints" / "step-000002"
+    original = transformers.AutoTokenizer.from_pretrained
+
+    def pruned_while_read(path, *args, **kwargs):
+        if Path(path).parent == newest:
+            doomed = newest.rename(newest.parent / ".deleting-step-000002")
+            shutil.rmtree(doomed)
+        return original(path, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", pruned_while_read)
+    result = run_cli(["export", str(run), str(tmp_path / "out")] if command == "export" else
+                     ["buffer", str(run), "--json"])
+    assert result.returncode == 0, result.stderr
+    assert "step-000002 was pruned by its run while it was read; taking the run's newest intact checkpoint" \
+        in result.stderr and "Traceback" not in result.stderr
+    read = run / "checkpoints" / "step-000001"
+    if command == "export":
+        assert f"exported {read} to" in result.stderr
+    else:
+        assert json.loads(result.stdout)["checkpoint"] == str(read)
+    assert not list(tmp_path.glob(".out.tmp-*"))
+
+
 def test_a_checkpoint_without_a_manifest_is_resumed_unverified_not_deleted(tmp_path):
     run = tmp_path / "run"
     checkpoint = _train(run)
@@ -108,14 +186,26 @@ def test_a_config_that_is_not_utf8_names_the_file_and_line(tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--temperature", "0"], "rollout.temperature must be > 0"),
-    (["--temperature", "-1"], "rollout.temperature must be > 0"),
-    (["--top-p", "-1"], "rollout.top_p must be in (0, 1]"),
-    (["--max-new-tokens", "0"], "rollout.max_completion_length must be >= 1"),
+    (["--temperature", "0"], "--temperature must be a finite number > 0 (evaluation samples; there is no greedy"),
+    (["--temperature", "-1"], "--temperature must be a finite number > 0"),
+    (["--temperature", "nan"], "--temperature must be a finite number > 0"),
+    (["--top-p", "-1"], "--top-p must be in (0, 1] (got -1.0)"),
+    (["--top-p", "2"], "--top-p must be in (0, 1] (got 2.0)"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1 (got 0)"),
+    (["--workers", "-1"], "--workers must be >= 0 (grading processes; 0 grades in-process) (got -1)"),
+    (["--batch-size", "0"], "--batch-size must be >= 1 (sequences generated together) (got 0)"),
+    (["--seed", "-1"], "--seed must be >= 0 (got -1)"),
+    (["--samples", "0", "--limit", "-2"], "--samples must be >= 1 (got 0); --limit must be >= 1 (got -2)"),
+    (["--output", "{tmp}/a-file"], "--output {tmp}/a-file: {tmp}/a-file is a file; --output must be a directory"),
+    (["--output", "{tmp}/a-file/out"], "--output {tmp}/a-file/out: {tmp}/a-file is a file"),
+    (["--output", "/sys/exgrpo-eval"], "--output /sys/exgrpo-eval: cannot write there ("),  # a read-only place
 ])
-def test_eval_refuses_the_sampling_values_train_refuses(flags, message):
-    result = run_cli(["eval", "--model", "tiny", *flags])
-    assert result.returncode == 2 and message in result.stderr, result.stderr
+def test_eval_refuses_its_own_bad_flags_by_their_names_before_loading(tmp_path, flags, message):
+    (tmp_path / "a-file").write_text("x")
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    result = run_cli(["eval", "--model", str(tmp_path / "no-model"), "--data", str(tmp_path / "no-data"), *flags])
+    assert result.returncode == 2 and message.format(tmp=tmp_path) in result.stderr, result.stderr
+    assert "rollout." not in result.stderr and "no-model" not in result.stderr and "no-data" not in result.stderr
 
 
 def _rows(path, n, start=0):

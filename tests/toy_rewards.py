@@ -73,3 +73,29 @@ def raises_on_uppercase(prompts, completions, completion_ids, **columns):
     if completions[0][:1].isupper():
         raise KeyError(completions[0][:1])
     return first_char_is_lowercase(prompts, completions, completion_ids)
+
+
+def hangs(prompts, completions, completion_ids, **columns):
+    """Every call hangs (longer than any test's reward.timeout)."""
+    time.sleep(600)
+
+
+def busy_loop(prompts, completions, completion_ids, **columns):
+    """Every call spins in pure Python, never returning."""
+    while True:
+        pass
+
+
+def exits(prompts, completions, completion_ids, **columns):
+    """`sys.exit(0)` in a reward function: a success exit code, from a failure."""
+    raise SystemExit(0)
+
+
+def interrupts(prompts, completions, completion_ids, **columns):
+    raise KeyboardInterrupt
+
+
+def ends_the_process(prompts, completions, completion_ids, **columns):
+    import os
+
+    os._exit(0)

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import math
 import shlex
-import shutil
 import signal
 import sys
 import time
@@ -36,6 +35,8 @@ def _train(args, overrides) -> int:
         if not run_config.is_file():
             raise ConfigError(f"--resume {args.resume}: no run there (no {run_config})")
         base = None if args.config else read_yaml(run_config, "run config")
+        if isinstance(base, dict) and isinstance(base.get("logging"), dict):
+            base["logging"].pop("overwrite", None)  # an action its start took (stored by exgrpo before 2026-12)
         config = load_config(args.config, overrides + [f"logging.output_dir={args.resume}"], base=base)
     elif args.config is None:
         raise ConfigError(f"exgrpo train needs --config: a preset ({', '.join(preset_names())}) or a YAML file "
@@ -120,38 +121,28 @@ def _experiment(args) -> int:
     if left_out:
         raise ConfigError(f"--arms {' '.join(args.arms)} leaves out {', '.join(left_out)} (the baseline and the "
                           "--main arms are always reported)")
-    print(write_study_report(study, args.output, main_arms, args.arms))
+    output = Path(args.output)
+    existing = next(p for p in (output, *output.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ExgrpoError(f"--output {output}: {existing} is a file; --output must be a directory")
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ExgrpoError(f"--output {output}: cannot write there ({e.strerror or e})") from None
+    print(write_study_report(study, output, main_arms, args.arms))
     return 0
-
-
-def _checkpoint(run_or_checkpoint: str, needed: str) -> Path:
-    """The newest intact checkpoint of a run directory, or the checkpoint directory itself (verified against its
-    manifest when it has one); it must hold `needed`."""
-    from exgrpo.runtime.checkpoint import latest_intact_checkpoint, verify_checkpoint
-
-    source = Path(run_or_checkpoint)
-    if not source.exists():
-        raise ExgrpoError(f"{source}: no such run or checkpoint directory")
-    if (source / "checkpoints").is_dir():
-        checkpoint = latest_intact_checkpoint(source)
-        if checkpoint is None:
-            raise ExgrpoError(f"{source}: no intact checkpoint in {source / 'checkpoints'}")
-        source = checkpoint
-    elif (source / "manifest.json").is_file() and (problem := verify_checkpoint(source)) is not None:
-        raise ExgrpoError(f"{source} is not intact: {problem}")
-    if not (source / needed).exists():
-        raise ExgrpoError(f"{source}: neither a run directory with checkpoints nor a checkpoint (no {needed} in it)")
-    return source
 
 
 def _serve(args, overrides) -> int:
     """Start (or with --print, show) the `vllm serve` server of a rollout.engine servers run."""
-    from exgrpo.rollout.serve import exec_server, server_command
+    from exgrpo.rollout.serve import exec_server, refuse_a_port_in_use, server_command
 
     config = load_config(args.config, overrides)
     if config.rollout.engine != "servers":
         raise ConfigError(f"exgrpo serve starts the servers of a rollout.engine servers run, not of rollout.engine "
                           f"{config.rollout.engine}")
+    if not args.print:
+        refuse_a_port_in_use(args.host, args.port)
     argv, env = server_command(config, args.host, args.port, args.vllm_args)
     if args.print:
         print(" ".join(f"{k}={v}" for k, v in env.items()), shlex.join(argv))
@@ -162,72 +153,44 @@ def _serve(args, overrides) -> int:
 
 def _export(args) -> int:
     """A standalone model directory from a run (its newest intact checkpoint) or a checkpoint."""
-    from exgrpo.models import export_policy, is_preset
-    from exgrpo.runtime.scratch import owned_temp_dir
+    from exgrpo.export import export
 
-    source = _checkpoint(args.source, "model")
-    out = Path(args.out)
-    _check_export_target(out, args.overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # OUT is replaced whole, never mixed with old files; a killed export's staging directory goes at the next export
-    staging = Path(owned_temp_dir(f".{out.name}.tmp-", str(out.parent)))
-    try:
-        export_policy(source / "model", staging, merge=args.merge)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    except OSError as e:
-        raise ExgrpoError(f"cannot write the export to {out}: {e.strerror or e}") from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    _note(f"exported {source} to {out}" + (" (LoRA merged)" if args.merge else ""))
-    adapter = out / "adapter_config.json"
-    base = json.loads(adapter.read_text()).get("base_model_name_or_path", "") if adapter.is_file() else ""
-    if is_preset(base):
-        _note(f"{out} is a LoRA adapter on exgrpo's preset {base!r}, which plain transformers/peft cannot resolve: "
-              f"load it with exgrpo (`exgrpo eval --model {out}`, `exgrpo.models.load_policy`), or export with "
-              "--merge for a plain transformers model")
+    export(args.source, args.out, merge=args.merge, overwrite=args.overwrite, log=_note)
     return 0
-
-
-def _check_export_target(out: Path, overwrite: bool) -> None:
-    """OUT must be a directory that is absent, empty, or (with --overwrite) an earlier export, which is replaced."""
-    if out.exists() and not out.is_dir():
-        raise ExgrpoError(f"{out} is a file; OUT must be a directory")
-    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    if not held:
-        return
-    if not overwrite:
-        raise ExgrpoError(f"{out} is not empty; pick another directory, or pass --overwrite to replace an earlier "
-                          "export there")
-    if not {"config.json", "adapter_config.json"} & set(held):
-        raise ExgrpoError(f"{out} holds files that are not a model export ({', '.join(held[:3])}); --overwrite only "
-                          "replaces an earlier export: pick another directory")
 
 
 def _buffer(args) -> int:
     """What the experience buffer of a run (its newest intact checkpoint) or a checkpoint holds."""
-    from exgrpo.experience.buffer import ExperienceBuffer
     from exgrpo.experience.summary import buffer_summary, print_summary
-    from exgrpo.runtime.checkpoint import read_trainer_json
+    from exgrpo.export import read_checkpoint
 
-    source = _checkpoint(args.source, "buffer.safetensors")
-    decode = None
-    if (source / "model").is_dir() and args.examples:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(source / "model")
-        decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    try:
-        buffer = ExperienceBuffer.load(source / "buffer.safetensors")
+    if args.examples < 0:
+        raise ExgrpoError(f"--examples must be >= 0 (got {args.examples})")
+    try:  # a checkpoint a live run prunes while it is read gives way to its newest intact one
+        source, (buffer, step, decode) = read_checkpoint(args.source, "buffer.safetensors",
+                                                         lambda c: _read_buffer(c, args.examples), _note)
     except ValueError as e:
         raise ExgrpoError(str(e)) from None
-    summary = buffer_summary(buffer, read_trainer_json(source)["step"], args.examples, decode)
+    summary = buffer_summary(buffer, step, args.examples, decode)
     if args.json:
         print(json.dumps({"checkpoint": str(source), **summary}, indent=2))
     else:
         print_summary(summary, str(source))
     return 0
+
+
+def _read_buffer(checkpoint: Path, examples: int):
+    """A checkpoint's experience buffer, step and (when examples are shown) a decoder of its token ids."""
+    from exgrpo.experience.buffer import ExperienceBuffer
+    from exgrpo.runtime.checkpoint import read_trainer_json
+
+    decode = None
+    if (checkpoint / "model").is_dir() and examples:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint / "model")
+        decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    return ExperienceBuffer.load(checkpoint / "buffer.safetensors"), read_trainer_json(checkpoint)["step"], decode
 
 
 def _add_buffer_parser(sub) -> None:
@@ -249,8 +212,19 @@ def _add_serve_parser(sub) -> None:
                        epilog="Any config field can be overridden: section.field=value or --section.field value")
     p.add_argument("--config", help="the run's config: a preset or a YAML file")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--port", type=_port, required=True)
     p.add_argument("--print", action="store_true", help="print the command instead of running it")
+
+
+def _port(text: str) -> int:
+    """A TCP port number (argparse type): 1 to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (1 to 65535)")
+    return port
 
 
 def _add_export_parser(sub) -> None:
@@ -340,15 +314,34 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+_EVAL_FLAGS = (  # flag, its attribute, whether a value is allowed, what it must be
+    ("--samples", "samples", lambda v: v is None or v >= 1, ">= 1"),
+    ("--limit", "limit", lambda v: v is None or v >= 1, ">= 1"),
+    ("--max-new-tokens", "max_new_tokens", lambda v: v >= 1, ">= 1"),
+    ("--temperature", "temperature", lambda v: math.isfinite(v) and v > 0,
+     "a finite number > 0 (evaluation samples; there is no greedy mode)"),
+    ("--top-p", "top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("--batch-size", "batch_size", lambda v: v >= 1, ">= 1 (sequences generated together)"),
+    ("--seed", "seed", lambda v: v >= 0, ">= 0"),
+    ("--workers", "workers", lambda v: v >= 0, ">= 0 (grading processes; 0 grades in-process)"),
+)
+
+
 def _check_eval_args(parser: argparse.ArgumentParser, args) -> None:
-    """The sampling values `train` refuses, refused with its messages."""
-    if args.samples is not None and args.samples < 1 or args.limit is not None and args.limit < 1:
-        parser.error("--samples and --limit must be positive")
+    """eval's own flags, refused by their names before anything is loaded; --output must be a directory that can be
+    written (it is created here)."""
+    bad = [f"{flag} must be {need} (got {getattr(args, name)})" for flag, name, ok, need in _EVAL_FLAGS
+           if not ok(getattr(args, name))]
+    if bad:
+        parser.error("; ".join(bad))
+    output = Path(args.output)
+    existing = next((p for p in (output, *output.absolute().parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        parser.error(f"--output {output}: {existing} is a file; --output must be a directory")
     try:
-        load_config(None, [f"rollout.temperature={args.temperature}", f"rollout.top_p={args.top_p}",
-                           f"rollout.max_completion_length={args.max_new_tokens}"])
-    except ConfigError as e:
-        parser.error(f"--temperature, --top-p, --max-new-tokens: {e}")
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--output {output}: cannot write there ({e.strerror or e})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -190,6 +190,8 @@ def misbehaving_grader(completion: str, gold: str) -> float:
         os._exit(1)
     if completion == "raise":
         raise ZeroDivisionError
+    if completion == "exit":
+        raise SystemExit(0)
     return float(completion == gold)
 
 
@@ -358,6 +360,24 @@ def test_failures_are_kept_per_grader_with_the_first_traceback(workers):
     assert (failures["mine"].graded, failures["mine"].failed) == (3, 2)
     assert failures["mine"].first.startswith("ZeroDivisionError") and "in misbehaving_grader" in failures["mine"].first
     assert (failures["grade_math"].graded, failures["grade_math"].failed, failures["grade_math"].first) == (1, 0, None)
+
+
+def test_every_failure_kind_is_counted_per_grader(pool):
+    """Timed out, crashed, raised and exited (SystemExit) items are failures of their grader, each of its kind."""
+    pool.pop_stats(), pool.pop_failures()
+    scores = pool.grade(misbehaving_grader, ["crash", "hang", "raise", "exit", "a"], ["a"] * 5, label="mine")
+    failures = pool.pop_failures()["mine"]
+    assert scores == [0.0, 0.0, 0.0, 0.0, 1.0] and (failures.graded, failures.failed) == (5, 4)
+    assert failures.kinds == {"crashed": 1, "timed out": 1, "raised": 1, "exited": 1}
+    assert (failures.first_kind, failures.first) == ("crashed", "its grading worker died (exit code 1)")
+    assert pool.pop_stats() == {"graded": 5, "timeouts": 1, "crashes": 1, "errors": 2}
+
+
+def test_serial_pool_counts_a_grader_that_exits():
+    serial = GradingPool(num_workers=0, timeout=5.0)
+    assert serial.grade(misbehaving_grader, ["exit", "a"], ["a", "a"], label="mine") == [0.0, 1.0]
+    failures = serial.pop_failures()["mine"]
+    assert failures.kinds == {"exited": 1} and failures.first.startswith("SystemExit: 0")
 
 
 def test_grade_rejects_mismatched_lengths(pool):

@@ -1,8 +1,14 @@
 """`exgrpo serve`: the `vllm serve` command of a rollout.engine servers run, assembled from its config (the
 servers themselves are started in tests/rollout/test_servers.py)."""
 
+import importlib.util
+import os
 import shlex
+import socket
+import subprocess
+import sys
 
+import pytest
 from conftest import run_cli
 
 from exgrpo.models import smollm2_directory
@@ -26,6 +32,48 @@ def test_the_server_command_carries_what_the_run_needs(monkeypatch):
     assert "--enable-scale-out" in argv and "--no-enable-chunked-prefill" in argv
     assert "--logprobs-mode" in argv and argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"
     assert argv[-2:] == ["--api-key", "secret"]  # after --: vLLM's, as given
+
+
+def test_serve_on_a_port_in_use_says_so_before_vllm_starts(monkeypatch):
+    monkeypatch.chdir(__file__.rsplit("/tests/", 1)[0])
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run_cli(["serve", *SERVERS, "rollout.max_model_len=128", "--port", str(port)])
+    assert result.returncode == 2, result.stderr
+    assert f"exgrpo serve cannot listen on 127.0.0.1:{port}: Address already in use (another server there? pick " \
+        "another --port)" in result.stderr and "Traceback" not in result.stderr
+    result = run_cli(["serve", *SERVERS, "rollout.max_model_len=128", "--host", "no-such-host.invalid", "--port",
+                      str(port)])
+    assert result.returncode == 2 and "exgrpo serve --host no-such-host.invalid: not an address of this machine" \
+        in result.stderr, result.stderr
+
+
+def test_a_server_keeps_vllms_ipc_files_in_a_directory_the_next_server_sweeps(tmp_path):
+    """`exgrpo serve` execs vLLM with its IPC sockets and vllm_dist_* files in exgrpo-serve-<pid>-*; once that
+    server is gone, the next `exgrpo serve` removes them. (Here the exec'd server stops at once: no vLLM.)"""
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: exgrpo serve would start a real server")
+    root = __file__.rsplit("/tests/", 1)[0]
+    with socket.socket() as probe:  # a port free now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "exgrpo", "serve", *SERVERS, "rollout.max_model_len=128", "--port", str(port)]
+    env = {**os.environ, "TMPDIR": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    first = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert "No module named 'vllm'" in first.stderr, first.stderr[-3000:]  # exec'd: vLLM's own server module
+    left = sorted(p.name for p in tmp_path.glob("exgrpo-serve-*"))
+    assert len(left) == 1 and not any(tmp_path.glob("vllm_dist_*")), left
+    subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    now = sorted(p.name for p in tmp_path.glob("exgrpo-serve-*"))
+    assert len(now) == 1 and now != left  # the first server's is gone, the second's waits for the next
+
+
+@pytest.mark.parametrize("port", ["-1", "0", "70000", "http"])
+def test_serve_refuses_a_port_that_is_no_port_number(port):
+    result = run_cli(["serve", *SERVERS, "rollout.max_model_len=128", "--port", port])
+    assert result.returncode == 2 and f"argument --port: {port!r} is not a port number (1 to 65535)" in result.stderr
 
 
 def test_a_server_command_that_cannot_be_assembled_says_why(monkeypatch):

@@ -133,6 +133,19 @@ def test_bad_study_files_name_the_key(tmp_path, change, message):
         load_study(path)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["run", "{study}", "--seeds", "7"], "--seeds 7: no selected arm of {study} has that seed (its seeds: 1, 2)"),
+    (["run", "{study}", "--arms", "uniform", "--seeds", "2"],
+     "--seeds 2: no selected arm of {study} has that seed (its seeds: 1)"),
+    (["report", "{study}", "--output", "{study}/report"], "--output {study}/report: {study} is a file; --output must"),
+])
+def test_study_flags_that_select_nothing_or_cannot_be_written_are_refused(tmp_path, argv, message):
+    study = _study(tmp_path)
+    result = run_cli(["experiment", *[a.format(study=study) for a in argv]])
+    assert result.returncode == 2 and message.format(study=study) in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "runs").exists()  # nothing ran
+
+
 def test_t_interval_and_the_pre_registered_verdict_rules():
     from exgrpo.studies.statistics import t_interval, verdict
 

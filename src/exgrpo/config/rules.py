@@ -162,12 +162,35 @@ def _server_rules(ro, given: set[str]):
     """rollout.engine servers and its fields"""
     yield (ro.engine == "servers") == bool(ro.server_urls), \
         "rollout.servers (the servers' base URLs) goes with rollout.engine servers, and that engine needs it"
-    yield all(u.startswith(("http://", "https://")) for u in ro.server_urls), \
-        f"rollout.servers must be http(s)://host:port URLs, comma separated (got {ro.servers!r})"
+    entries = [u.strip() for u in ro.servers.split(",")] if ro.servers.strip() else []
+    yield all(entries), f"rollout.servers has an empty entry (a comma too many?): {ro.servers!r}"
+    bad = [(u, why) for u in entries if u and (why := _not_a_server_url(u))]
+    yield not bad, (f"rollout.servers must be http(s)://host:port URLs, comma separated: {bad[0][0]!r} {bad[0][1]}"
+                    if bad else "")
     yield ro.engine == "servers" or not _set_any(given, "rollout.weight_transfer", "rollout.transfer_address",
                                                  "rollout.transfer_port"), \
         "rollout.weight_transfer, transfer_address and transfer_port apply to rollout.engine servers only"
     yield 0 <= ro.transfer_port < 65536, f"rollout.transfer_port must be a port number or 0 (got {ro.transfer_port})"
+
+
+def _not_a_server_url(url: str) -> str | None:
+    """Why `url` is not a server's base URL (http(s)://host:port), or None."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        return "does not start with http:// or https://"
+    if not parts.hostname:
+        return "has no host"
+    try:
+        port = parts.port
+    except ValueError:
+        return f"has no valid port ({parts.netloc.rpartition(':')[2]!r} is not a number from 1 to 65535)"
+    if port is None or port == 0:
+        return "has no port (the one `exgrpo serve --port` was given)"
+    if parts.path.strip("/") or parts.query or parts.fragment:
+        return "is more than a base URL (no path, query or fragment: the engine adds its own paths)"
+    return None
 
 
 def _reward_and_objective_rules(cfg):

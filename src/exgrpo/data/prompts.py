@@ -6,7 +6,7 @@ import warnings
 from typing import Callable, Sequence
 
 from exgrpo.data.questions import Question
-from exgrpo.errors import ExgrpoWarning
+from exgrpo.errors import ConfigError, ExgrpoWarning
 
 
 def render_prompt(
@@ -64,8 +64,12 @@ class PromptEncoder:
 def drop_long_prompts(questions: Sequence[Question], prompt_ids: Callable[[Question], list[int]], limit: int,
                       which: str) -> list[Question]:
     """The questions whose prompt is at most `limit` tokens (released: longer ones are dropped), with a warning
-    that counts the dropped ones of the `which` set."""
+    that counts the dropped ones of the `which` set; a ConfigError when that would drop them all."""
     kept = [q for q in questions if len(prompt_ids(q)) <= limit]
+    if questions and not kept:
+        shortest = min(len(prompt_ids(q)) for q in questions)
+        raise ConfigError(f"data.max_prompt_length ({limit}) is below every {which} question's prompt: all "
+                          f"{len(questions)} would be dropped (the shortest prompt has {shortest} tokens)")
     if len(kept) < len(questions):
         warnings.warn(ExgrpoWarning(f"dropped {len(questions) - len(kept)} of {len(questions)} {which} questions "
                                     f"whose prompt is longer than data.max_prompt_length = {limit} tokens"),

@@ -22,6 +22,11 @@ def conflicting_answers(questions: Sequence[Question]) -> list[list[Question]]:
             if len({questions[i].answer for i in rows}) > 1]
 
 
+def distinct_prompts(questions: Sequence[Question]) -> int:
+    """How many distinct prompts (messages) the questions hold: the units the held-out split moves."""
+    return len(_groups(questions, by_prompt=True))
+
+
 def collapse_replicas(questions: Sequence[Question]) -> list[tuple[Question, int]]:
     """Group rows with identical (messages, answer): (first row, number of copies), in first-appearance order."""
     return [(questions[idx[0]], len(idx)) for idx in _groups(questions).values()]

@@ -12,12 +12,38 @@ import warnings
 import numpy as np
 
 from exgrpo.errors import ExgrpoWarning, TrainingError
+from exgrpo.rewards.pool import KINDS
 
 PROBE_STEPS = 5  # the first steps over which "never / always correct" is judged
 
 
 class RewardWarning(ExgrpoWarning):
     """A reward function behaves in a way that probably makes the run mean something other than intended."""
+
+
+# What a kind of grading failure means, and what to do about it.
+_HINTS = {
+    "raised": "it raised or returned an unusable value",
+    "exited": "it raised SystemExit or KeyboardInterrupt (sys.exit(), exit()); a reward function must return its "
+              "rewards, never end the process",
+    "timed out": "raise reward.timeout if correct answers are being timed out",
+    "crashed": "its grading worker died (os._exit(), a crash in native code, or out of memory)",
+}
+
+
+def _counts(f) -> str:
+    """`f`'s failed items by kind: "all 16 timed out", "3 raised, 1 crashed"."""
+    if len(f.kinds) == 1 and f.failed == f.graded:
+        return f"all {f.graded} {next(iter(f.kinds))}"
+    return ", ".join(f"{n} {kind}" for kind, n in sorted(f.kinds.items()))
+
+
+def _hints(f) -> str:
+    return "; ".join(_HINTS[kind] for kind in sorted(f.kinds))
+
+
+def _metrics(f) -> str:
+    return " and ".join(sorted({f"grading/{KINDS[kind]}" for kind in f.kinds}))
 
 
 class RewardHealth:
@@ -40,8 +66,9 @@ class RewardHealth:
     def check(self, step: int, per_function: dict[str, np.ndarray], total: np.ndarray,
               grading: dict[str, int], failures: dict | None = None) -> None:
         """The rewards of training step `step` (1-based): each function's values (NaN where it returned None)
-        and the weighted total; `grading` counts the items that timed out, crashed or raised; `failures` holds each
-        grader's raised items (`rewards.pool.Failures`): an error when all of a grader's items raised."""
+        and the weighted total; `grading` counts the items that timed out, crashed or raised (logged, not checked
+        here); `failures` holds each grader's failed items by kind (`rewards.pool.Failures`): an error when all of a
+        grader's items failed, a warning when some did."""
         self._check_failures(step, failures or {})
         for name, values in per_function.items():
             if np.isinf(values).any():
@@ -59,25 +86,22 @@ class RewardHealth:
         if per_function and all(np.isnan(v).all() for v in per_function.values()):
             raise TrainingError(f"step {step}: no reward function gave a reward for any completion "
                                 f"({', '.join(map(repr, per_function))} returned only None/NaN)")
-        failed = {k: v for k, v in grading.items() if k in ("timeouts", "crashes") and v}
-        if failed:
-            counts = ", ".join(f"{v} {k}" for k, v in failed.items())
-            warnings.warn(RewardWarning(f"step {step}: grading failed for some completions ({counts}); they scored "
-                                        "0 (raise reward.timeout if correct answers are being timed out)"),
-                          stacklevel=2)
         self._probe(step, per_function, total)
 
     def _check_failures(self, step: int, failures: dict) -> None:
-        """Stop when every item a grader (or reward function) graded raised or returned an unusable value; warn,
-        once per grader, showing the first failure, when some did."""
+        """Stop when every item a grader (or reward function) graded failed, whatever the kinds (raised, exited,
+        timed out, crashed); warn at each step where some did, showing a grader's first failure once."""
         for label, f in failures.items():
-            if f.graded and f.failed == f.graded:
+            if not f.failed:
+                continue
+            if f.failed == f.graded:
                 raise TrainingError(f"step {step}: {label!r} failed on every one of the {f.graded} completions it "
-                                    f"graded (it raised or returned an unusable value); the first failure:\n{f.first}")
-            if f.failed:
-                self._warn_once("failed", label, f"step {step}: {label!r} failed on {f.failed} of {f.graded} "
-                                                 "completions (scored 0, counted in grading/errors); the first "
-                                                 f"failure:\n{f.first}")
+                                    f"graded ({_counts(f)}: {_hints(f)}); the first failure:\n{f.first}")
+            first = "" if ("failed", label) in self._warned else f"; the first failure:\n{f.first}"
+            self._warned.add(("failed", label))
+            warnings.warn(RewardWarning(f"step {step}: grading failed for some completions: {label!r} failed on "
+                                        f"{f.failed} of {f.graded} ({_counts(f)}: {_hints(f)}); they scored 0, "
+                                        f"counted in {_metrics(f)}{first}"), stacklevel=3)
 
     def _probe(self, step: int, per_function: dict[str, np.ndarray], total: np.ndarray) -> None:
         if self._seen >= PROBE_STEPS:

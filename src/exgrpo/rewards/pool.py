@@ -13,7 +13,7 @@ import time
 import traceback
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
@@ -23,13 +23,36 @@ _START_TIMEOUT_S = 120.0  # a spawned worker imports sympy and math-verify befor
 Grader = Callable[..., float]
 
 
-def _call(grader: Grader, completion: str, gold: str, kwargs: dict[str, Any]) -> tuple[float, str | None]:
-    """Grade one item: (score, None), or (0.0, the exception and the last frames of its traceback) if it raised."""
+# A failed item's kind, and the `stats` count (grading/<count> in the metrics) it goes to.
+KINDS = {"raised": "errors", "exited": "errors", "timed out": "timeouts", "crashed": "crashes"}
+Failure = tuple[str, str]  # (kind, cause): what went wrong with one item
+
+
+def _cause(e: BaseException) -> str:
+    """The exception and the last frames of its traceback."""
+    frames = "".join(traceback.format_list(traceback.extract_tb(e.__traceback__)[-3:]))
+    return f"{''.join(traceback.format_exception_only(type(e), e)).strip()}\n{frames.rstrip()}"
+
+
+def _exits() -> tuple[type[BaseException], ...]:
+    """What counts as the grader exiting: SystemExit always; KeyboardInterrupt unless a Ctrl-C would raise it here
+    (SIGINT's default handler), where it must stop the caller instead."""
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        return (SystemExit,)
+    return (SystemExit, KeyboardInterrupt)
+
+
+def _call(grader: Grader, completion: str, gold: str, kwargs: dict[str, Any],
+          exits: tuple[type[BaseException], ...] = (SystemExit,)) -> tuple[float, Failure | None]:
+    """Grade one item: (score, None), or (0.0, (kind, cause)) if it raised ("raised") or tried to end the process
+    with one of `exits` ("exited")."""
     try:
         return float(grader(completion, gold, **kwargs)), None
     except Exception as e:
-        frames = "".join(traceback.format_list(traceback.extract_tb(e.__traceback__)[-3:]))
-        return 0.0, f"{''.join(traceback.format_exception_only(type(e), e)).strip()}\n{frames.rstrip()}"
+        return 0.0, ("raised", _cause(e))
+    except exits as e:
+        return 0.0, ("exited", _cause(e))
 
 
 class _ItemTimeout(BaseException):
@@ -42,16 +65,21 @@ def _expire(signum, frame):
 
 
 def _call_within(grader: Grader, completion: str, gold: str, kwargs: dict[str, Any],
-                 timeout: float) -> tuple[float, str | None] | None:
-    """`_call` stopped by SIGALRM after `timeout` seconds (None then); main thread only, `_expire` installed."""
+                 timeout: float) -> tuple[float, Failure | None]:
+    """`_call` stopped by SIGALRM after `timeout` seconds (0.0, "timed out" then); main thread only, `_expire`
+    installed."""
     try:
         try:
             signal.setitimer(signal.ITIMER_REAL, timeout)
-            return _call(grader, completion, gold, kwargs)
+            return _call(grader, completion, gold, kwargs, _exits())
         finally:  # the timer may fire here too, before it is disarmed: the outer handler catches that
             signal.setitimer(signal.ITIMER_REAL, 0)
     except _ItemTimeout:
-        return None
+        return 0.0, _timed_out(timeout)
+
+
+def _timed_out(timeout: float) -> Failure:
+    return "timed out", f"grading took longer than the {timeout:g} s timeout"
 
 
 def _exit_with(parent: int) -> None:
@@ -75,25 +103,35 @@ def _serve(conn: Connection) -> None:
         except Exception as e:  # e.g. the grader's module is not importable here: a setup bug, not a 0 score
             conn.send(f"a grading worker cannot load the grader: {e!r}")
             continue
-        conn.send(_call(grader, completion, gold, kwargs))
+        conn.send(_call(grader, completion, gold, kwargs, (SystemExit, KeyboardInterrupt)))
 
 
 @dataclass
 class Failures:
-    """A grader's items and how many of them raised, with the first failure (exception and traceback's end)."""
+    """A grader's items and its failed ones by kind ("raised", "exited", "timed out", "crashed"), with the first
+    failure's kind and cause (the exception and its traceback's end, or what happened to the item)."""
 
     graded: int = 0
-    failed: int = 0
+    kinds: dict[str, int] = field(default_factory=dict)
     first: str | None = None
+    first_kind: str | None = None
 
-    def add(self, failures: list[str | None]) -> None:
-        raised = [f for f in failures if f is not None]
+    @property
+    def failed(self) -> int:
+        return sum(self.kinds.values())
+
+    def add(self, failures: list[Failure | None]) -> None:
         self.graded += len(failures)
-        self.failed += len(raised)
-        self.first = self.first or (raised[0] if raised else None)
+        for failure in failures:
+            if failure is not None:
+                self.kinds[failure[0]] = self.kinds.get(failure[0], 0) + 1
+                if self.first is None:
+                    self.first_kind, self.first = failure
 
     def merged(self, other: "Failures") -> "Failures":
-        return Failures(self.graded + other.graded, self.failed + other.failed, self.first or other.first)
+        kinds = {k: self.kinds.get(k, 0) + other.kinds.get(k, 0) for k in {**self.kinds, **other.kinds}}
+        first = (self.first_kind, self.first) if self.first is not None else (other.first_kind, other.first)
+        return Failures(self.graded + other.graded, kinds, first[1], first[0])
 
 
 @dataclass
@@ -138,16 +176,19 @@ def _stop(workers: list[_Worker]) -> None:
 class GradingPool:
     """Grades batches in `num_workers` spawned processes, started on first use and reused.
 
-    An item that runs past `timeout` seconds, or whose worker dies, scores 0.0 and the worker is replaced; an item
-    whose grader raises scores 0.0. `num_workers=0` grades serially in-process, each item stopped after `timeout`
-    seconds by an interval timer (SIGALRM, so only on the main thread; `timeout=None` grades unbounded). `stats`
-    counts items ("graded", which includes the failed ones), "timeouts", "crashes" and "errors" (raised) since
-    creation; `pop_stats()` gives the counts since its previous call, `pop_failures()` the raised items per grader
-    since its previous call, with the first one's traceback. `grade` may be called from any thread, except
+    An item that runs past `timeout` seconds ("timed out"), or whose worker dies ("crashed"), scores 0.0 and the
+    worker is replaced; an item whose grader raises ("raised") or raises SystemExit or KeyboardInterrupt ("exited")
+    scores 0.0. `num_workers=0` grades serially in-process, each item stopped after `timeout` seconds by an interval
+    timer (SIGALRM, so only on the main thread; `timeout=None` grades unbounded). `stats` counts items ("graded",
+    which includes the failed ones), "timeouts", "crashes" and "errors" (raised or exited) since creation;
+    `pop_stats()` gives the counts since its previous call, `pop_failures()` the failed items per grader and kind
+    since its previous call, with the first one's cause. `grade` may be called from any thread, except
     in-process with a timeout (main thread only).
     """
 
     def __init__(self, num_workers: int = 2, timeout: float | None = 5.0):
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0 (0 grades in-process), got {num_workers}")
         if timeout is None and num_workers:
             raise ValueError("grading workers need a timeout: it is how a hung worker is told from a slow one")
         self.num_workers = num_workers
@@ -171,13 +212,15 @@ class GradingPool:
             else:
                 results = self._grade_in_workers(grader, completions, golds, grader_kwargs)
             self.stats["graded"] += len(results)
-            self.stats["errors"] += sum(failure is not None for _, failure in results)
+            for _, failure in results:
+                if failure is not None:
+                    self.stats[KINDS[failure[0]]] += 1
             tally = self._failures.setdefault(label or grader.__name__, Failures())
             tally.add([failure for _, failure in results])
         return [score for score, _ in results]
 
     def pop_failures(self) -> dict[str, Failures]:
-        """Per grader label, its items and raised items since the previous pop_failures call."""
+        """Per grader label, its items and failed items since the previous pop_failures call."""
         with self._lock:
             failures, self._failures = self._failures, {}
         return failures
@@ -202,9 +245,9 @@ class GradingPool:
         self.close()
 
     def _grade_here(self, grader: Grader, completions: list[str], golds: list[str],
-                    kwargs: dict[str, Any]) -> list[tuple[float, str | None]]:
+                    kwargs: dict[str, Any]) -> list[tuple[float, Failure | None]]:
         if self.timeout is None:
-            return [_call(grader, c, g, kwargs) for c, g in zip(completions, golds)]
+            return [_call(grader, c, g, kwargs, _exits()) for c, g in zip(completions, golds)]
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError(f"in-process grading (num_workers=0) stops an item after {self.timeout:g} s with "
                                "SIGALRM, which only the main thread receives: grade from the main thread, use "
@@ -214,8 +257,7 @@ class GradingPool:
             results = [_call_within(grader, c, g, kwargs, self.timeout) for c, g in zip(completions, golds)]
         finally:
             signal.signal(signal.SIGALRM, previous)
-        self.stats["timeouts"] += results.count(None)
-        return [(0.0, None) if r is None else r for r in results]
+        return results
 
     def _start(self) -> None:
         self._workers[:] = [_spawn() for _ in range(self.num_workers)]
@@ -236,7 +278,7 @@ class GradingPool:
         return new
 
     def _grade_in_workers(self, grader: Grader, completions: list[str], golds: list[str],
-                          kwargs: dict[str, Any]) -> list[tuple[float, str | None]]:
+                          kwargs: dict[str, Any]) -> list[tuple[float, Failure | None]]:
         if not self._workers:
             self._start()
         batch = _Batch(self, grader, completions, golds, kwargs)
@@ -259,7 +301,7 @@ class _Batch:
     def __init__(self, pool: GradingPool, grader: Grader, completions: list[str], golds: list[str],
                  kwargs: dict[str, Any]):
         self.pool, self.grader, self.completions, self.golds, self.kwargs = pool, grader, completions, golds, kwargs
-        self.scores: list[tuple[float, str | None]] = [(0.0, None)] * len(completions)
+        self.scores: list[tuple[float, Failure | None]] = [(0.0, None)] * len(completions)
         self.todo = deque(range(len(completions)))
         self.queues: dict[Connection, tuple[_Worker, deque[int]]] = {w.conn: (w, deque()) for w in pool._workers}
         self.deadlines: dict[Connection, float] = {}
@@ -293,8 +335,7 @@ class _Batch:
                 try:
                     result = conn.recv()
                 except (EOFError, ConnectionResetError):  # it died mid-item (segfault, os._exit, OOM kill)
-                    self.pool.stats["crashes"] += 1
-                    self._replace(conn)
+                    self._replace(conn, "crashed")
                     break
                 if isinstance(result, str):
                     raise RuntimeError(result)
@@ -304,13 +345,23 @@ class _Batch:
                 if not queue:
                     del self.deadlines[conn]
                 elif self.deadlines[conn] <= now:
-                    self.pool.stats["timeouts"] += 1
-                    self._replace(conn)
+                    self._replace(conn, "timed out")
 
-    def _replace(self, conn: Connection) -> None:
-        """A new worker for a lost one; its queued items (not its head, which scores 0) go back to be sent."""
+    def _replace(self, conn: Connection, kind: str | None = None) -> None:
+        """A new worker for a lost one; its queued items go back to be sent, except the one it was working on when
+        it was lost on an item (`kind` "crashed" or "timed out"): that one scores 0 as such a failure."""
         w, queue = self.queues.pop(conn)
-        self.todo.extendleft(reversed(list(queue)[1:]))
+        lost = queue.popleft() if kind else None
+        self.todo.extendleft(reversed(queue))
         self.deadlines.pop(conn, None)
-        new = self.pool._replace(w)
+        new = self.pool._replace(w)  # stops `w` first, so its exit status is known below
+        if lost is not None:
+            self.scores[lost] = 0.0, _timed_out(self.pool.timeout) if kind == "timed out" else \
+                ("crashed", f"its grading worker died ({_exit_status(w.proc.returncode)})")
         self.queues[new.conn] = (new, deque())
+
+
+def _exit_status(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"

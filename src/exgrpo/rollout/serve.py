@@ -23,8 +23,12 @@ from pathlib import Path
 import torch
 
 from exgrpo.config import ConfigError, ExGRPOConfig, engine_precision
+from exgrpo.errors import ExgrpoError
 from exgrpo.models import GEMMA3_PRESET, SMOLLM2_PRESET, TINY_PRESET, gemma3_directory, smollm2_directory
+from exgrpo.runtime.scratch import owned_temp_dir
 
+#: a server's scratch directory in the temp directory (its IPC sockets and vllm_dist_* files): <prefix><pid>-XXXX
+SCRATCH_PREFIX = "exgrpo-serve-"
 #: the worker extension the servers load: importing it registers our weight-transfer backends in their workers
 WORKER_EXTENSION = "exgrpo.rollout.weight_transfer.WorkerExtension"
 
@@ -86,6 +90,29 @@ def _model_directory(name: str) -> str:
     return name
 
 
+def refuse_a_port_in_use(host: str, port: int) -> None:
+    """`exgrpo serve` on an address it cannot listen on (another server there, a host that is not this machine's):
+    said at once, before vLLM spends a minute loading only to fail on it."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise ExgrpoError(f"exgrpo serve --host {host}: not an address of this machine ({e.strerror or e})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        # as servers bind: a closed connection's TIME_WAIT is no obstacle, a listening socket is
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ExgrpoError(f"exgrpo serve cannot listen on {host}:{port}: {e.strerror or e} (another server "
+                              "there? pick another --port)") from None
+
+
 def exec_server(argv: list[str], env: dict) -> None:
-    """Replace this process with the server (signals, exit status and logs are vLLM's own)."""
-    os.execvpe(argv[0], argv, {**os.environ, **env})
+    """Replace this process with the server (signals, exit status and logs are vLLM's own). vLLM's IPC sockets and
+    `vllm_dist_*` files, which it leaves in the temp directory, go into a directory named after this process (the
+    server keeps its pid), and the next `exgrpo serve` on the machine removes those of servers that are gone."""
+    scratch = owned_temp_dir(SCRATCH_PREFIX)
+    os.execvpe(argv[0], argv, {**os.environ, **env, "VLLM_RPC_BASE_PATH": scratch, "TMPDIR": scratch})

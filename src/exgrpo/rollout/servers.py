@@ -41,9 +41,10 @@ REQUIRED_SERVER_SETTINGS = {("model_config", "logprobs_mode"): "processed_logpro
                             ("model_config", "generation_config"): "vllm"}
 
 
-def server_refusal(config: dict, backend: str, dtype: str) -> str | None:
+def server_refusal(config: dict, backend: str, dtype: str, max_model_len: int | None = None) -> str | None:
     """Why a server whose vLLM config (`/server_info?config_format=json`) is `config` cannot serve a run whose
-    weights travel by `backend` and which expects the engine precision `dtype`; None when it can."""
+    weights travel by `backend`, which expects the engine precision `dtype` and (given) sequences of
+    `max_model_len` tokens (rollout.max_model_len); None when it can."""
     transfer = (config.get("weight_transfer_config") or {}).get("backend")
     if transfer != backend:
         return (f"runs weight transfer {transfer!r}, not {backend!r}: start it with the flags `exgrpo serve` "
@@ -55,6 +56,10 @@ def server_refusal(config: dict, backend: str, dtype: str) -> str | None:
     held = str(config["model_config"]["dtype"]).removeprefix("torch.")
     if held != dtype:
         return f"computes in {held}, the run expects {dtype} (rollout.engine_dtype)"
+    served = int(config["model_config"]["max_model_len"])
+    if max_model_len is not None and served < max_model_len:
+        return (f"serves sequences of at most {served} tokens (its max_model_len), fewer than the run's "
+                f"rollout.max_model_len {max_model_len}: start it with `exgrpo serve` and the run's config")
     return None
 
 
@@ -82,11 +87,12 @@ class ServerPool:
             try:
                 results.append(future.result())
             except requests.HTTPError as e:
+                said = answer(e.response.headers.get("content-type"), e.response.text)
                 raise EngineError(f"the vLLM server {url} refused {e.request.path_url}: HTTP "
-                                  f"{e.response.status_code}: {e.response.text[:500]}") from None
+                                  f"{e.response.status_code}: {said}") from None
             except requests.RequestException as e:
                 path = e.request.path_url if e.request is not None else "a request"
-                raise EngineError(f"the vLLM server {url} did not answer {path}: {type(e).__name__}: {e}") from None
+                raise EngineError(f"the vLLM server {url} did not answer {path}: {_reason(e)}") from None
         return results
 
     def _get(self, j: int, path: str) -> Any:
@@ -94,14 +100,14 @@ class ServerPool:
 
         response = requests.get(f"{self.urls[j]}/{path}", timeout=self.timeout)
         response.raise_for_status()
-        return response.json()
+        return _json(self.urls[j], path, response)
 
     def _post(self, j: int, path: str, body: dict | None = None) -> Any:
         import requests
 
         response = requests.post(f"{self.urls[j]}/{path}", json=body, timeout=self.timeout)
         response.raise_for_status()
-        return response.json() if response.content else None
+        return _json(self.urls[j], path, response) if response.content else None
 
     # ---------------------------------------------------------------- vLLM's client protocol
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -144,6 +150,34 @@ class ServerPool:
         self._pool.shutdown(wait=False)
 
 
+def answer(content_type: str | None, text: str) -> str:
+    """What a server answered, briefly: a JSON body as it is (cut at 500 characters), anything else by its kind and
+    size (a web page would fill the screen and say nothing: the URL is not a vLLM server's)."""
+    kind = (content_type or "").split(";")[0].strip()
+    if kind == "application/json":
+        return text[:500]
+    return (f"a {kind or 'untyped'} answer of {len(text)} characters, not a vLLM server's JSON (is the URL that of a "
+            "server started with `exgrpo serve`?)")
+
+
+def _reason(error: Exception) -> str:
+    """A failed request's cause in the operating system's words where there are some ("Connection refused: nothing
+    listens there"), not urllib3's nested retry report."""
+    import re
+
+    found = re.search(r"\[Errno -?\d+\] ([^'\")]+)", str(error))
+    if found and "refused" in found.group(1):
+        return f"{found.group(1)} (nothing listens there: is the server started?)"
+    return found.group(1) if found else f"{type(error).__name__}: {error}"
+
+
+def _json(url: str, path: str, response) -> Any:
+    if response.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+        raise EngineError(f"the server {url} answered /{path} with "
+                          f"{answer(response.headers.get('content-type'), response.text)}")
+    return response.json()
+
+
 class PolicyWeights(WeightSource):
     """The learner's `pushed_weights` as vLLM's `WeightSource`: `metadata()` from the parameters' own shapes and
     dtypes (a merged LoRA weight has its base's), iteration merging as it goes. Under FSDP it is iterated inside
@@ -174,6 +208,8 @@ class ServerEngine:
         max_concurrency: requests in flight per server.
         request_timeout: seconds an HTTP request (a generation included) may take.
         sync_timeout: seconds a weight push may take.
+        max_model_len: the sequence length the run needs (rollout.max_model_len; None: what the servers serve); a
+            server serving shorter ones is refused when the engine connects.
     """
 
     holds_copy = True
@@ -181,7 +217,7 @@ class ServerEngine:
 
     def __init__(self, model, tokenizer, urls: Sequence[str], *, backend: str, dtype: str, transfer_address: str,
                  transfer_port: int, max_concurrency: int = 256, request_timeout: float = 3600.0,
-                 sync_timeout: float = 120.0):
+                 sync_timeout: float = 120.0, max_model_len: int | None = None):
         check_pushable(model)
         if backend != weight_transfer.GLOO_BACKEND:
             raise EngineError(f"weight transfer {backend}: only {weight_transfer.GLOO_BACKEND} is built so far")
@@ -192,7 +228,7 @@ class ServerEngine:
         self.servers = ServerPool(urls, timeout=sync_timeout)
         self.transfer = self.weights_version = None
         try:
-            self.max_model_len = self._check_servers(backend, dtype)
+            self.max_model_len = self._check_servers(backend, dtype, max_model_len)
             init = weight_transfer.GlooTrainerInit(transfer_address, transfer_port, 1 + sum(self.servers.world_sizes),
                                                  timeout_s=sync_timeout, rank=self.rank)
             self.source = PolicyWeights(model)
@@ -202,11 +238,11 @@ class ServerEngine:
             self.close()
             raise
 
-    def _check_servers(self, backend: str, dtype: str) -> int:
+    def _check_servers(self, backend: str, dtype: str, max_model_len: int | None) -> int:
         """Refuse a server that cannot serve the run, with the reason; the smallest max_model_len of them."""
         configs = self.servers.configs()
         for url, config in zip(self.servers.urls, configs):
-            refusal = server_refusal(config, backend, dtype)
+            refusal = server_refusal(config, backend, dtype, max_model_len)
             if refusal:
                 raise EngineError(f"the vLLM server {url} {refusal}")
         return min(int(config["model_config"]["max_model_len"]) for config in configs)
@@ -287,7 +323,7 @@ class ServerEngine:
                                       f"{type(e).__name__}: {e}") from None
             if response.status != 200:
                 raise EngineError(f"the vLLM server {url} refused a generation request: HTTP {response.status}: "
-                                  f"{text[:500]}")
+                                  f"{answer(response.headers.get('content-type'), text)}")
             return json.loads(text)["choices"][0]
 
         timeout = aiohttp.ClientTimeout(total=self.request_timeout)

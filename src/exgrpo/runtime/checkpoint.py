@@ -73,12 +73,15 @@ def verify_checkpoint(directory: str | Path) -> str | None:
         return f"{directory / _MANIFEST}: unreadable ({e})"
     for name, expected in manifest["files"].items():
         path = directory / name
-        if not path.is_file():
-            return f"{path} is missing"
-        if path.stat().st_size != expected["size"]:
-            return f"{path} has {path.stat().st_size} bytes, the manifest says {expected['size']}"
-        if _sha256(path) != expected["sha256"]:
-            return f"{path} does not match its checksum (corrupted)"
+        try:
+            if not path.is_file():
+                return f"{path} is missing"
+            if path.stat().st_size != expected["size"]:
+                return f"{path} has {path.stat().st_size} bytes, the manifest says {expected['size']}"
+            if _sha256(path) != expected["sha256"]:
+                return f"{path} does not match its checksum (corrupted)"
+        except OSError as e:  # e.g. removed while it was read (a live run pruning it)
+            return f"{path}: {e.strerror or e}"
     return None
 
 
@@ -98,6 +101,8 @@ def latest_intact_checkpoint(run_dir: str | Path) -> Path | None:
             problem = verify_checkpoint(checkpoint)
             if problem is None:
                 return checkpoint
+        if not checkpoint.exists():  # pruned meanwhile by the run that owns it: not a fault of the checkpoint
+            continue
         warnings.warn(ExgrpoWarning(f"skipping checkpoint {checkpoint.name}: {problem}"), stacklevel=2)
     return None
 

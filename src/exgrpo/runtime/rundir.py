@@ -9,6 +9,7 @@ or half deleted): with the lock held, no other process can be writing it.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -92,6 +93,25 @@ def holds_a_run(directory: str | os.PathLike) -> list[str]:
     """The run files present in `directory` (empty: nothing to lose by starting a run there)."""
     path = Path(directory)
     return [name for name in RUN_FILES if (path / name).exists()]
+
+
+def checkpoints_gone(directory: str | os.PathLike) -> str | None:
+    """Why the run in `directory`, which holds no checkpoint, must have had one (its history in metrics.jsonl goes
+    past its first periodic checkpoint, per its config.json's train.save_every), or None when nothing says so."""
+    path = Path(directory)
+    try:
+        every = json.loads((path / "config.json").read_text())["train"]["save_every"]
+        lines = (path / "metrics.jsonl").read_text().splitlines()
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    steps = []
+    for line in lines:
+        with contextlib.suppress(ValueError, KeyError, TypeError):  # a last line cut short by a kill
+            steps.append(int(json.loads(line)["step"]))
+    if every and steps and max(steps) > every:
+        return (f"its history (metrics.jsonl) reaches step {max(steps)}, past its first checkpoint (step {every}, "
+                f"train.save_every {every}), but no checkpoint is left in {path / 'checkpoints'}")
+    return None
 
 
 def refuse_existing_run(directory: str | os.PathLike) -> None:

@@ -197,6 +197,11 @@ def run_study(study: Study, arms: list[str] | None = None, seeds: list[int] | No
     from exgrpo.training.launch import prepared_run
 
     selected = [study.arm(a) for a in arms] if arms else list(study.arms)
+    unknown = sorted(set(seeds or ()) - {s for arm in selected for s in arm.seeds})
+    if unknown:
+        raise ConfigError(f"--seeds {' '.join(map(str, unknown))}: no selected arm of {study.path} has "
+                          f"{'that seed' if len(unknown) == 1 else 'those seeds'} (its seeds: "
+                          f"{', '.join(map(str, sorted({s for arm in selected for s in arm.seeds})))})")
     for arm in selected:
         for seed in arm.seeds:
             if seeds and seed not in seeds:

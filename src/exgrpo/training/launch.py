@@ -14,14 +14,16 @@ import torch
 from exgrpo.runtime.checkpoint import latest_intact_checkpoint, read_trainer_json, step_dirs
 from exgrpo.config import ConfigError, ExGRPOConfig, config_changes
 from exgrpo.config.rules import ASYNC_ACROSS_RANKS_NEEDS_SERVERS, ASYNC_NEEDS_ITS_OWN_ENGINE
-from exgrpo.data import conflicting_answers, load_questions, split_holdout
+from exgrpo.data import conflicting_answers, distinct_prompts, load_questions, split_holdout
 from exgrpo.runtime.distributed import close_distributed, launched_rank
 from exgrpo.errors import CheckpointError, ExgrpoWarning, Shutdown
 from exgrpo.evaluation.contamination import screen_benchmark_questions
 from exgrpo.models import load_policy
 from exgrpo.rewards import ChoiceReward, GradingPool, IsolatedReward, MathReward, ReasoningGymReward
 from exgrpo.rewards.functions import import_function
-from exgrpo.runtime.rundir import holds_a_run, lock_run_directory, refuse_existing_run, unlock_run_directory
+from exgrpo.rollout import require_engine
+from exgrpo.runtime.rundir import (checkpoints_gone, holds_a_run, lock_run_directory, refuse_existing_run,
+                                   unlock_run_directory)
 from exgrpo.training.trainer import ExGRPOTrainer
 
 
@@ -62,18 +64,31 @@ def build_run(config: ExGRPOConfig, log: Callable[[str], None] = print) -> Run:
     questions = screen_benchmark_questions(questions, c.data.benchmark_overlap, f"data.train {c.data.train}",
                                            c.data.prompt_suffix)
     _warn_conflicting_answers(f"data.train {c.data.train}", questions)
-    train, holdout = split_holdout(questions, c.data.holdout, c.train.seed) if c.data.holdout else (list(questions), [])
+    train, holdout = _held_out_split(questions, c)
     if c.data.eval:
         holdout = load_questions(c.data.eval, skip_invalid=c.data.skip_invalid, prompt_suffix=c.data.prompt_suffix)
         log(_loaded("data.eval", c.data.eval, holdout))
         holdout = screen_benchmark_questions(holdout, c.data.benchmark_overlap, f"data.eval {c.data.eval}",
                                              c.data.prompt_suffix)
     _refuse_async_without_its_engine(c)
+    require_engine(c.rollout.engine)  # before the model loads
     model, tokenizer = load_policy(c.model.name, dtype=c.model.dtype, lora=c.model.lora)
     pool = GradingPool(num_workers=c.reward.workers, timeout=c.reward.timeout)
     reward_funcs = build_reward_funcs(c, pool)
     trainer = ExGRPOTrainer(model, tokenizer, reward_funcs, c, train, eval_dataset=holdout, grading_pool=pool)
     return Run(c, trainer, pool)
+
+
+def _held_out_split(questions, c: ExGRPOConfig) -> tuple[list, list]:
+    """(training, held-out) questions: data.holdout distinct prompts held out, at least one left to train on."""
+    if not c.data.holdout:
+        return list(questions), []
+    prompts = distinct_prompts(questions)
+    if c.data.holdout >= prompts:
+        raise ConfigError(f"data.holdout ({c.data.holdout}) must be less than the {prompts} distinct prompts of "
+                          f"data.train {c.data.train}, so that some are left to train on (all rows of a prompt go to "
+                          "one side)")
+    return split_holdout(questions, c.data.holdout, c.train.seed)
 
 
 def _refuse_async_without_its_engine(config: ExGRPOConfig) -> None:
@@ -109,7 +124,8 @@ def start_point(config: ExGRPOConfig, resume: bool, log: Callable[[str], None] =
 
     Fresh (`resume` false): the directory must not hold another run unless logging.overwrite. Resume: the newest
     intact checkpoint (broken newer ones are reported); none at all but a run that died before its first
-    checkpoint: start it again from step 0; only broken ones: an error. A config that changes the algorithm
+    checkpoint: start it again from step 0; only broken ones, or a history past a checkpoint that is gone: an
+    error. A config that changes the algorithm
     relative to the checkpoint's is refused with the differing fields; harmless changes are logged.
     """
     directory = config.logging.output_dir
@@ -122,14 +138,7 @@ def start_point(config: ExGRPOConfig, resume: bool, log: Callable[[str], None] =
         raise ConfigError("--resume and logging.overwrite (--overwrite) contradict each other")
     checkpoint = latest_intact_checkpoint(directory)
     if checkpoint is None:
-        if step_dirs(directory):
-            raise CheckpointError(f"{directory}: no intact checkpoint to resume from (see the warnings above); "
-                                  "restore one, or start over with --overwrite")
-        if holds_a_run(directory):
-            if main:
-                log(f"{directory}: the run stopped before its first checkpoint; starting it again from step 0")
-            return replace(config, logging=replace(config.logging, overwrite=True)), None
-        return config, None
+        return _start_again(config, directory, main, log), None
     algorithmic, harmless = config_changes(read_trainer_json(checkpoint)["config"], config.to_dict())
     if algorithmic:
         raise ConfigError(f"cannot resume {checkpoint} with a config that changes the algorithm: "
@@ -137,6 +146,23 @@ def start_point(config: ExGRPOConfig, resume: bool, log: Callable[[str], None] =
     if harmless and main:
         log(f"resuming with changed settings: {'; '.join(harmless)}")
     return config, checkpoint
+
+
+def _start_again(config: ExGRPOConfig, directory: str, main: bool, log: Callable[[str], None]) -> ExGRPOConfig:
+    """Resume without an intact checkpoint: an error when there were checkpoints (broken or removed ones), a fresh
+    start replacing the partial logs of a run that stopped before its first checkpoint."""
+    if step_dirs(directory):
+        raise CheckpointError(f"{directory}: no intact checkpoint to resume from (see the warnings above); "
+                              "restore one, or start over with --overwrite")
+    if not holds_a_run(directory):
+        return config
+    gone = checkpoints_gone(directory)
+    if gone:
+        raise CheckpointError(f"{directory}: {gone}; resuming would start over and replace that history. Restore a "
+                              "checkpoint, or start over with --overwrite, which deletes the run")
+    if main:
+        log(f"{directory}: the run stopped before its first checkpoint; starting it again from step 0")
+    return replace(config, logging=replace(config.logging, overwrite=True))
 
 
 @contextlib.contextmanager

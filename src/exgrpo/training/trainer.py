@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -67,6 +68,16 @@ from exgrpo.training.schedule import InlineSource, RolloutSource, Schedule, Thre
 __all__ = ["ExGRPOTrainer", "StepRecord"]
 
 
+def _refuse_fewer_questions_than_a_step(questions: int, prompts_per_step: int) -> None:
+    """A step of train.prompts_per_step groups needs as many distinct questions: with fewer, every step would
+    silently train on fewer groups (a setting that cannot be honoured is refused, as the config's rules do)."""
+    if 0 < questions < prompts_per_step:
+        raise ConfigError(f"train.prompts_per_step ({prompts_per_step}) is more than the {questions} training "
+                          f"questions (after the held-out split and screening): every step would train on only "
+                          f"{questions} groups; set train.prompts_per_step to at most {questions}, or train on more "
+                          "questions")
+
+
 class ExGRPOTrainer:
     """Train a causal LM with ExGRPO.
 
@@ -96,6 +107,7 @@ class ExGRPOTrainer:
             torch.set_num_threads(c.train.threads)
         self.prompt_ids = PromptEncoder.from_config(tokenizer, c.data)
         train_dataset = self._screen(train_dataset, "training")
+        _refuse_fewer_questions_than_a_step(len(train_dataset), c.train.prompts_per_step)
         self.eval_dataset = self._screen(eval_dataset or [], "held-out")
         self.engine = engine or build_engine(c, model, tokenizer, lambda: c.data.max_prompt_length or max(
             (len(self.prompt_ids(q)) for q in [*train_dataset, *self.eval_dataset]), default=0))
@@ -200,6 +212,11 @@ class ExGRPOTrainer:
                 cleanup.callback(unlock_run_directory, directory)
                 if not self._resumed:
                     claim_run_directory(directory, c.logging.overwrite)
+            self._resumed = True  # the directory holds this run now: a later train() call continues it
+            # overwriting is an action at the start, done now: not a setting of the run (its config.json and
+            # checkpoints say false, so `--resume` takes them as they are)
+            self.config = c = replace(c, logging=replace(c.logging, overwrite=False))
+            if self.dist.is_main:
                 write_text_atomic(Path(directory) / "config.json", json.dumps(c.to_dict(), indent=2))
                 if tracker is None:
                     tracker = Tracker.from_config(c, start_step=self.step)
