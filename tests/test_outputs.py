@@ -253,3 +253,14 @@ def test_the_demo_reports_a_run_whose_buffer_stays_empty(tmp_path):
     result = run_cli(["demo", *TINY, "experience.ratio=0", "train.steps=1", f"logging.output_dir={out}"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert (out / "buckets.png").stat().st_size > 1000 and "| steps | 1 |" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("extra, note", [
+    (["experience.start_threshold=0.99"], "the mixed phase never started: batch Pass@1 (batch/solved) reached at most"),
+    (["experience.ratio=0"], None),  # GRPO asked for: nothing to say
+])
+def test_a_replay_phase_that_never_starts_is_said_at_the_end(tmp_path, extra, note):
+    result = run_cli(["train", *TINY, "train.steps=2", f"logging.output_dir={tmp_path / 'run'}", *extra])
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = [line for line in result.stderr.splitlines() if "mixed phase" in line]
+    assert said == ([] if note is None else [said[0]]) and (note is None or note in said[0])

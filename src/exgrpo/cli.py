@@ -26,6 +26,7 @@ from exgrpo.runtime.signals import StopNow
 def _train(args, overrides) -> int:
     from exgrpo.config import read_yaml
     from exgrpo.training.launch import prepared_run
+    from exgrpo.training.metrics import idle_settings
 
     if args.overwrite:
         overrides = overrides + ["logging.overwrite=true"]
@@ -47,7 +48,9 @@ def _train(args, overrides) -> int:
         if checkpoint is not None:
             run.trainer.resume(checkpoint, verified=True)
             _note(f"resumed from {checkpoint} at step {run.trainer.step}")
-        run.trainer.train()
+        history = run.trainer.train()
+    for note in idle_settings(config, history):
+        _note(note)
     return _stop_code(run.trainer.stopped_by)
 
 
@@ -90,7 +93,7 @@ def _demo(args, overrides) -> int:
     for a, b in before_after_rows(before, after):
         table.add_row(a, b)
     switch = mixed_phase_start(history)
-    table.add_row("steps / mixed phase from", f"{len(history)} / {switch}")
+    table.add_row("steps / mixed phase from", f"{len(history)} / {switch or 'never (no replay: GRPO)'}")
     table.add_row("experiential questions replayed", f"{sum(m['experience/replayed'] for m in history):.0f}")
     table.add_row("wall time (this command)", f"{wall / 60:.1f} min")
     console.print(table)
