@@ -221,13 +221,18 @@ def test_a_killed_server_stops_the_run_clearly_with_its_checkpoint_intact(tmp_pa
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         wait_for_checkpoint(run_dir, 2, process)
-        os.killpg(processes[1].pid, signal.SIGKILL)
+        engine = descendants(processes[1].pid)  # its engine core, workers and resource tracker
+        os.kill(processes[1].pid, signal.SIGKILL)  # the server's own process only, as an OOM killer would
         _, stderr = process.communicate(timeout=120)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode == 2, stderr[-3000:]
     assert f"the vLLM server {urls[1]} did not answer" in stderr, stderr[-3000:]
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in engine) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert engine and not [pid for pid in engine if alive(pid)], "the killed server's processes outlived it"
     from exgrpo.runtime.checkpoint import latest_intact_checkpoint
 
     assert latest_intact_checkpoint(run_dir).name >= "step-000002"

@@ -29,6 +29,8 @@ from exgrpo.runtime.scratch import owned_temp_dir
 
 #: a server's scratch directory in the temp directory (its IPC sockets and vllm_dist_* files): <prefix><pid>-XXXX
 SCRATCH_PREFIX = "exgrpo-serve-"
+#: set by `exgrpo serve` to its pid, which the `vllm serve` it becomes keeps: the server's engine processes watch it
+SERVER_PID_VARIABLE = "EXGRPO_SERVER_PID"
 #: the worker extension the servers load: importing it registers our weight-transfer backends in their workers
 WORKER_EXTENSION = "exgrpo.rollout.weight_transfer.WorkerExtension"
 
@@ -115,4 +117,5 @@ def exec_server(argv: list[str], env: dict) -> None:
     `vllm_dist_*` files, which it leaves in the temp directory, go into a directory named after this process (the
     server keeps its pid), and the next `exgrpo serve` on the machine removes those of servers that are gone."""
     scratch = owned_temp_dir(SCRATCH_PREFIX)
-    os.execvpe(argv[0], argv, {**os.environ, **env, "VLLM_RPC_BASE_PATH": scratch, "TMPDIR": scratch})
+    os.execvpe(argv[0], argv, {**os.environ, **env, "VLLM_RPC_BASE_PATH": scratch, "TMPDIR": scratch,
+                               SERVER_PID_VARIABLE: str(os.getpid())})  # its engine processes die with it

@@ -42,6 +42,8 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeight
     WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
+from exgrpo.rollout.serve import SERVER_PID_VARIABLE
+
 SHM_BACKEND = "exgrpo_shm"
 GLOO_BACKEND = "exgrpo_gloo"
 
@@ -251,16 +253,20 @@ class WorkerExtension:
         return list(getattr(self.weight_transfer_engine, "missing", []))
 
     def exgrpo_exit_with(self, learner: int) -> None:
-        """Die with the learner (process `learner`), however it dies, SIGKILL included: vLLM 0.32's engine core has
-        no watch on its parent, so a killed learner would leave it and this worker running. A thread here sees the
-        engine core (the learner's child) re-parented, kills it and leaves; the core's other workers follow it
-        through vLLM's own death pipe."""
-        engine_core = os.getpid() if os.getppid() == learner else os.getppid()
-        if _parent_of(engine_core) != learner:
-            raise RuntimeError(f"the engine core {engine_core} is not a child of the learner {learner} (or /proc, "
-                               "which the watch reads, is missing)")
-        threading.Thread(target=_exit_with, args=(learner, engine_core), name="exgrpo-learner-watch",
-                         daemon=True).start()
+        """Die with the learner (process `learner`), however it dies, SIGKILL included (`exit_with`)."""
+        exit_with(learner)
+
+
+def exit_with(owner: int) -> None:
+    """Die with the engine core's parent, process `owner` (the learner, or the `vllm serve` process), however it
+    dies, SIGKILL included: vLLM 0.32's engine core has no watch on its parent, so a killed owner would leave it and
+    its workers running. A thread here sees the engine core (the owner's child: this process, or its parent) re-
+    parented, kills it and leaves; the core's other workers follow it through vLLM's own death pipe."""
+    engine_core = os.getpid() if os.getppid() == owner else os.getppid()
+    if _parent_of(engine_core) != owner:
+        raise RuntimeError(f"the engine core {engine_core} is not a child of process {owner} (or /proc, which the "
+                           "watch reads, is missing)")
+    threading.Thread(target=_exit_with, args=(owner, engine_core), name="exgrpo-owner-watch", daemon=True).start()
 
 
 def _parent_of(pid: int) -> int | None:
@@ -293,4 +299,14 @@ def register() -> None:
         WeightTransferTrainerFactory.register_engine(GLOO_BACKEND, GlooTrainerTransfer)
 
 
+def _die_with_the_server() -> None:
+    """In an engine process of a server `exgrpo serve` started (it becomes `vllm serve`, keeping its pid): die with
+    the server, as a learner's engine dies with the learner. Elsewhere (the server's own process, a learner's
+    engine) nothing."""
+    server = int(os.environ.get(SERVER_PID_VARIABLE, os.getpid()))
+    if server in (os.getppid(), _parent_of(os.getppid())):
+        exit_with(server)
+
+
 register()
+_die_with_the_server()
