@@ -25,7 +25,9 @@ from test_vllm import (ENV, ROOT, SAMPLING, _command, _metrics, _parity, _pertur
                        _same_run, _shared_run)
 
 from exgrpo.models import load_policy  # noqa: E402
+from exgrpo.rollout.serve import SCRATCH_PREFIX  # noqa: E402
 from exgrpo.rollout.servers import EngineError, ServerEngine, server_refusal  # noqa: E402
+from exgrpo.runtime.scratch import remove_orphans  # noqa: E402
 
 pytestmark = pytest.mark.heavy  # two servers take ~90 s to start on 2 cores: CI runs these after `make test`
 
@@ -92,6 +94,7 @@ def servers(tmp_path_factory):
         for segment in [*shared, *orphaned_semaphores(started)]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(segment)
+        remove_orphans(SCRATCH_PREFIX)  # the servers' scratch directories, which the next `exgrpo serve` would sweep
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,11 @@ The learner pushes its weights when it connects, so a server may start from the 
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -115,7 +117,12 @@ def refuse_a_port_in_use(host: str, port: int) -> None:
 def exec_server(argv: list[str], env: dict) -> None:
     """Replace this process with the server (signals, exit status and logs are vLLM's own). vLLM's IPC sockets and
     `vllm_dist_*` files, which it leaves in the temp directory, go into a directory named after this process (the
-    server keeps its pid), and the next `exgrpo serve` on the machine removes those of servers that are gone."""
+    server keeps its pid), and the next `exgrpo serve` on the machine removes those of servers that are gone.
+    torch's compile cache stays where it is without that directory, shared by every start (a fresh one per server
+    would compile again at each start and leave ~150 MB behind)."""
+    compile_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or \
+        os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")  # torch's default
     scratch = owned_temp_dir(SCRATCH_PREFIX)
     os.execvpe(argv[0], argv, {**os.environ, **env, "VLLM_RPC_BASE_PATH": scratch, "TMPDIR": scratch,
+                               "TORCHINDUCTOR_CACHE_DIR": compile_cache,
                                SERVER_PID_VARIABLE: str(os.getpid())})  # its engine processes die with it
