@@ -26,7 +26,7 @@ from exgrpo.runtime.signals import StopNow
 def _train(args, overrides) -> int:
     from exgrpo.config import read_yaml
     from exgrpo.training.launch import prepared_run
-    from exgrpo.training.metrics import idle_settings
+    from exgrpo.studies.study import idle_settings
 
     if args.overwrite:
         overrides = overrides + ["logging.overwrite=true"]

@@ -300,22 +300,6 @@ def trajectory_entropy_metrics(groups: Sequence[Group], correct: np.ndarray, bat
     return out
 
 
-def idle_settings(config, history: Sequence[dict]) -> list[str]:
-    """What a run's replay settings found nothing to act on, in words, for the end of the run (instead of silence):
-    a mixed phase that never started, or one that never replayed. `history` is the run's metric lines."""
-    if not history or config.experience.ratio == 0:
-        return []
-    if all(m["phase"] != "mixed" for m in history):
-        best = max(m["batch/solved"] for m in history)
-        return [f"the mixed phase never started: batch Pass@1 (batch/solved) reached at most {best:.2f}, never above "
-                f"experience.start_threshold {config.experience.start_threshold}, so nothing was replayed and "
-                "this run was GRPO"]
-    if sum(m["experience/replayed"] for m in history) == 0:
-        return ["the mixed phase started but replayed nothing: no question had a stored trajectory in a bucket the "
-                "sampler draws from (see exgrpo buffer RUN_DIR)"]
-    return []
-
-
 def _nanmean(values: np.ndarray) -> float:
     present = values[~np.isnan(values)]
     return float(present.mean()) if present.size else float("nan")
