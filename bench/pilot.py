@@ -26,7 +26,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from exgrpo.config import load_config  # noqa: E402
-from exgrpo.training.generation import own_members  # noqa: E402
+from exgrpo.records import own_members  # noqa: E402
 from exgrpo.training.launch import build_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

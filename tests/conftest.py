@@ -142,14 +142,16 @@ def kill_the_learner_only(process: subprocess.Popen) -> tuple[set[int], set[str]
 class ScriptedEngine:
     """A RolloutEngine whose completions come from `respond(prompt_ids, n) -> (completion ids, truncated)`, n being
     how many times that prompt was asked for before. Records every call (count, sampling, seeds) and weight push.
-    It stands for an engine with a copy of the weights (the learner pushes into it)."""
+    It stands for an engine with a copy of the weights (the learner pushes into it): both roles."""
 
     holds_copy = True
+    reports_logprobs = takes_snapshots = False
 
     def __init__(self, respond: Callable[[list[int], int], tuple[list[int], bool]]):
         self.respond = respond
         self.calls: list[tuple] = []
         self.pushes: list[int] = []
+        self.weights_version = 0
         self._asked: Counter = Counter()
 
     def generate(self, prompt_ids, sampling, seeds) -> Rollouts:
@@ -163,8 +165,12 @@ class ScriptedEngine:
             truncated.append(cut)
         return Rollouts(completions, truncated)
 
-    def push_weights(self, version: int) -> None:
+    def push_weights(self, version: int, snapshot=None) -> None:
         self.pushes.append(version)
+        self.weights_version = version
+
+    def close(self) -> None:
+        pass
 
 
 @pytest.fixture

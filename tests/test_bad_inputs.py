@@ -82,15 +82,15 @@ def _skip_invalid(tmp_path):
 def _vllm_not_installed(tmp_path):
     import importlib.util
 
-    from exgrpo.rollout import build_engine
-    from exgrpo.rollout.vllm import EngineError
+    from exgrpo.errors import EngineError
+    from exgrpo.rollout import engine_from_config
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vllm is installed here")
     config = config_from_dict({"rollout": {"engine": "vllm"}})
     model, tokenizer = load_policy("tiny:0")
     with pytest.raises(EngineError, match=r"needs vLLM, which is not installed: pip install 'exgrpo\[vllm\]'"):
-        build_engine(config, model, tokenizer, lambda: 8)
+        engine_from_config(config, model, tokenizer, lambda: 8)
 
 
 def _timeout(tmp_path):

@@ -63,3 +63,8 @@ class GroupRewards:
         return GroupRewards(np.concatenate([p.total for p in graded]),
                             {k: np.concatenate([p.per_function[k] for p in graded]) for k in graded[0].per_function},
                             {k: sum(p.grading.get(k, 0) for p in parts) for k in keys}, failures)
+
+
+def own_members(groups: Sequence[Group]) -> np.ndarray:
+    """(G, K) True for the policy's own members (rollouts and replays), False for demonstrations."""
+    return np.array([[not m.demonstration for m in g.members] for g in groups], dtype=bool).reshape(len(groups), -1)

@@ -126,7 +126,7 @@ def test_servers_sample_like_the_trainer_and_hold_every_push(servers):
     model, tok = load_policy("smollm2-135m-instruct")
     prompts, seeds = _requests(tok)
     engine = ServerEngine(model, tok, urls, backend="exgrpo_gloo", dtype="float32", transfer_address="127.0.0.1",
-                          transfer_port=0, max_concurrency=16, request_timeout=120, sync_timeout=120)
+                          transfer_port=0, max_concurrency=16, request_timeout=120, push_timeout=120)
     try:
         assert engine.servers.versions() == ["0", "0"]  # pushed when it connected
         worst, _, before = _parity(model, tok, engine, prompts, seeds)

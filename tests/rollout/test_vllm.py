@@ -78,10 +78,10 @@ def test_full_weights_parity_before_and_after_a_sync(smollm2):
         assert len(many.completion_ids) == 100
         worst, _, before = _parity(model, tok, engine, prompts, seeds)
         assert worst <= 1e-4
-        engine.transport.confirm(0)  # the engine holds the trainer's weights, read back exactly
+        engine.push.confirm(0)  # the engine holds the trainer's weights, read back exactly
         _perturb(model, scale=1e-6)  # an update the size of one AdamW step at lr 1e-6
-        with pytest.raises(EngineError, match="does not hold the trainer's weights: 1[0-9]+ of 1[0-9]+ checked"):
-            engine.transport.confirm(0)
+        with pytest.raises(EngineError, match="did not load 1[0-9]+ parameters of the vLLM engine"):
+            engine.push.confirm(0)
         _perturb(model)
         stale, _, _ = _parity(model, tok, engine, prompts, seeds)
         assert stale > 1e-2 and engine.weights_version == 0  # the old weights, and the engine says so

@@ -16,10 +16,10 @@ from exgrpo.training.trainer import ExGRPOTrainer
 class SnapshotEngine(CopyEngine):
     takes_snapshots = True
 
-    def push_weights(self, version: int, weights=None) -> None:
-        if weights is None:
+    def push_weights(self, version: int, snapshot=None) -> None:
+        if snapshot is None:
             return super().push_weights(version)
-        held = dict(weights)
+        held = dict(snapshot)
         with torch.no_grad():
             for name, mine in self.copy.named_parameters():
                 mine.copy_(held[name])

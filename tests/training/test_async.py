@@ -30,7 +30,8 @@ class CopyEngine:
     """Samples with transformers from its own copy of the policy and reports that copy's log-probs of the tokens
     it sampled; `push_weights` copies the learner's weights in. Optionally dies or forgets to push."""
 
-    holds_copy = True
+    holds_copy = reports_logprobs = True
+    takes_snapshots = False
 
     def __init__(self, model, tokenizer, die_at_call: int | None = None, pushes: bool = True):
         self.learner, self.copy, self.tokenizer = model, copy.deepcopy(model), tokenizer
@@ -50,7 +51,7 @@ class CopyEngine:
         return Rollouts(out.completion_ids, out.truncated, [logp[i, :len(c)].tolist()
                                                              for i, c in enumerate(out.completion_ids)])
 
-    def push_weights(self, version: int) -> None:
+    def push_weights(self, version: int, snapshot=None) -> None:
         if self.pushes:
             with torch.no_grad():
                 for mine, theirs in zip(self.copy.parameters(), self.learner.parameters()):

@@ -12,6 +12,7 @@ from typing import Any, Literal
 import yaml
 
 from exgrpo.config.presets import config_file
+from exgrpo.config.renamed import rename_fields, renamed_key
 from exgrpo.config.rules import changed_fields, validate
 from exgrpo.config.schema import ExGRPOConfig
 from exgrpo.errors import ConfigError
@@ -160,19 +161,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Defaults, then `base` (e.g. a checkpoint's resolved config) or the YAML file (a path or a preset's name),
     then dotted overrides. Rules about fields that apply only with others are judged on the fields the file and the
     overrides set."""
-    tree: dict = dict(base or {})
+    tree: dict = rename_fields(copy.deepcopy(base or {}))
     if path is not None:
         path = config_file(path)
         loaded = read_yaml(path, "config file")
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
-        tree = loaded or {}
+        tree = rename_fields(loaded or {})
         try:  # the file's own fields and types first, so that an override's mistake is not blamed on the file
             _build(ExGRPOConfig, copy.deepcopy(tree))
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
     given = _dotted_keys(tree) if path is not None else set()  # a resolved `base` sets every field
     for key, value in parse_overrides(overrides or []):
+        key = renamed_key(key)
         _set_dotted(tree, key, value)
         given.add(key)
     try:
@@ -184,6 +186,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def config_from_dict(values: dict) -> ExGRPOConfig:
     """A config from nested sections, e.g. {"train": {"steps": 4}}; the fields present count as set."""
+    values = rename_fields(copy.deepcopy(values))
     return _build_validated(values, _dotted_keys(values))
 
 

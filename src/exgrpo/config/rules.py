@@ -3,9 +3,11 @@ from it (precisions, the engine correction) and which changes a resume may make.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
+from exgrpo.config.renamed import rename_fields
 from exgrpo.errors import ConfigError
 
 # Every `cfg` below is an ExGRPOConfig; it is not imported here because the schema validates itself with these rules.
@@ -118,7 +120,7 @@ def _rollout_rules(cfg, given: set[str]):
         f"rollout.gpu_memory_utilization must be in (0, 1] (got {ro.gpu_memory_utilization})"
     yield ro.kv_cache_gb is None or ro.kv_cache_gb > 0, \
         f"rollout.kv_cache_gb must be null or > 0 (got {ro.kv_cache_gb})"
-    yield _positive("rollout.sync_timeout", ro.sync_timeout)
+    yield _positive("rollout.push_timeout", ro.push_timeout)
     yield _positive("rollout.generation_timeout", ro.generation_timeout)
     yield from _server_rules(ro, given)
     yield _at_least("rollout.parity_every", ro.parity_every, 0)
@@ -323,7 +325,7 @@ RESUMABLE_CHANGES = ("train.steps", "train.save_every", "train.save_total_limit"
                      "train.max_tokens_per_micro_batch", "train.logprob_chunk_tokens", "train.activation_checkpointing",
                      "train.sharding",
                      "rollout.generation_batch_size", "rollout.gpu_memory_utilization", "rollout.kv_cache_gb",
-                     "rollout.sync_timeout", "rollout.generation_timeout", "rollout.parity_every",
+                     "rollout.push_timeout", "rollout.generation_timeout", "rollout.parity_every",
                      "rollout.parity_threshold",
                      "experience.selection_batch_size", "reward.workers",
                      "reward.timeout", "eval.", "logging.")
@@ -346,7 +348,7 @@ def config_changes(old: dict, new: dict) -> tuple[list[str], list[str]]:
                 out[prefix + key] = value
         return out
 
-    a, b = {**BEFORE_THE_FIELD, **flat(old)}, flat(new)
+    a, b = {**BEFORE_THE_FIELD, **flat(rename_fields(copy.deepcopy(old)))}, flat(new)
     bf16 = "bf16" in (a.get("train.dtype"), b.get("train.dtype"))
     algorithmic, harmless = [], []
     for key in sorted(set(a) | set(b)):

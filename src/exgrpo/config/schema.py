@@ -101,8 +101,9 @@ class RolloutConfig:
     """vllm on CUDA: the share of GPU memory the colocated engine may take (weights and KV cache)."""
     kv_cache_gb: float | None = None
     """vllm on CPU: KV-cache memory in GiB; null: room for generation_batch_size full-length sequences."""
-    sync_timeout: float = 120.0
-    """vllm: seconds one weight push into the engine may take before the run stops with an error."""
+    push_timeout: float = 120.0
+    """vllm, servers: seconds one weight push into the engine (each of its requests to a server) may take before the
+    run stops with an error. Formerly rollout.sync_timeout, still read as this."""
     generation_timeout: float = 3600.0
     """async: seconds the learner waits for any one result of the rollout worker (a step's rollouts, a whole
     held-out evaluation, or a push queued behind them) before the run stops with an error: set it above the

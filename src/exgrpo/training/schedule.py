@@ -9,7 +9,8 @@ push of the weights current at that time. The rollout source decides where and w
 * `InlineSource` (rollout.mode sync): on the learner's thread when the step waits for its rollouts, each rank
   sampling its shard of the groups;
 * `ThreadedSource` (rollout.mode async): on a RolloutWorker thread driving an engine with its own copy of the
-  weights, in order with the weight pushes, while the learner trains.
+  weights, in order with the weight pushes, while the learner trains; under torchrun on rank 0, the other ranks
+  receiving its rollouts (`FollowingSource`).
 
 A checkpoint holds the steps in flight with their finished rollouts (waited for), so a resumed run continues
 exactly where it stopped; at s = 0 none is in flight between steps.
@@ -23,11 +24,13 @@ from typing import Callable, ContextManager, Iterator, Protocol
 
 import numpy as np
 
+from exgrpo.config import ConfigError, ExGRPOConfig
+from exgrpo.config.rules import ASYNC_ACROSS_RANKS_NEEDS_SERVERS, ASYNC_NEEDS_ITS_OWN_ENGINE
 from exgrpo.data import Question
-from exgrpo.errors import EngineError
 from exgrpo.experience import Trajectory
 from exgrpo.records import Group, Member
 from exgrpo.rollout import RolloutEngine, Rollouts
+from exgrpo.rollout.base import Weights
 from exgrpo.rollout.worker import RolloutWorker, Sampled
 from exgrpo.runtime.distributed import Distributed
 from exgrpo.runtime.timing import StageTimer
@@ -105,39 +108,36 @@ class InlineSource:
 
 
 class ThreadedSource:
-    """rollout.mode async: `worker` samples submitted steps in the background, in order with the weight pushes.
+    """rollout.mode async, in the process whose `worker` drives the engine (the one learner process, or rank 0 under
+    torchrun): the worker samples submitted steps in the background, in order with the weight pushes.
 
-    One learner process: a push reads the learner's weights on the worker thread, so the learner waits for it
-    (`weights_read`) before changing them. Under torchrun the worker runs on rank 0 alone (`worker` is None on the
-    others): at a push every rank joins the gather of the full weights (`full_weights`), rank 0 keeps a copy
-    (`snapshot`) that its worker sends, and rank 0 hands each step's rollouts to the other ranks. An engine error
-    raised on rank 0 ends the run; torchrun stops the other ranks.
+    In one process a push reads the learner's weights on the worker thread, so the learner waits for it
+    (`weights_read`) before changing them. Under torchrun (`snapshot` given) every rank joins the gather of the full
+    weights at a push (`full_weights`; the others in `FollowingSource`), this rank keeps a copy (`snapshot`) that its
+    worker sends, and it hands each step's rollouts to the other ranks. An engine error raised here ends the run;
+    torchrun stops the other ranks.
     """
 
-    def __init__(self, worker: RolloutWorker | None, generation: GenerationRounds,
+    def __init__(self, worker: RolloutWorker, generation: GenerationRounds,
                  distributed: Distributed = Distributed(),
                  full_weights: Callable[[], ContextManager] = contextlib.nullcontext,
-                 snapshot: Callable[[], list] | None = None):
-        if (worker is None) == distributed.is_main:
-            raise ValueError("the rollout worker runs on rank 0, and only there")
+                 snapshot: Callable[[], Weights] | None = None):
+        if not distributed.is_main:
+            raise ValueError("the rollout worker runs on rank 0 (the other ranks follow it: FollowingSource)")
         self.worker, self.generation, self.dist, self._push = worker, generation, distributed, None
         self.full_weights, self.snapshot = full_weights, snapshot
 
     def submit(self, planned: PlannedStep) -> Wait:
-        if self.worker is None:
-            return self.dist.broadcast  # rank 0's rollouts
         prompts, seeds = self.generation.requests(planned.groups, planned.step)
         future = self.worker.generate(prompts, self.generation.sampling, seeds)
         return lambda: self.dist.broadcast(self.worker.wait(future, f"the rollouts of step {planned.step}"))
 
     def push(self, version: int) -> None:
-        if not self.dist.enabled:
-            self._push = self.worker.push(version)
-            return
-        with self.full_weights():
-            weights = self.snapshot() if self.worker else None
-        if self.worker:
-            self._push = self.worker.push(version, weights)
+        copy = None
+        if self.snapshot is not None:
+            with self.full_weights():
+                copy = self.snapshot()
+        self._push = self.worker.push(version, copy)
 
     def weights_read(self) -> None:
         if self._push is not None:
@@ -145,39 +145,98 @@ class ThreadedSource:
             self._push = None
 
     def begin_step(self) -> None:
-        if self.worker:
-            self.worker.take_times()
+        self.worker.take_times()
 
     def step_metrics(self, groups: list[Group], version: int) -> dict[str, float]:
-        return {**staleness_metrics(groups, version), **(self.worker.take_times() if self.worker else {})}
+        return {**staleness_metrics(groups, version), **self.worker.take_times()}
 
     @contextlib.contextmanager
     def evaluation_engine(self) -> Iterator[RolloutEngine]:
         # the engine samples from its own copy; a push queued before the evaluation reads the learner's weights
         # from the worker thread meanwhile, so they stay as they are (no context changes them)
-        yield _FromRankZero(self.worker.as_engine() if self.worker else None, self.dist)
+        yield _Shared(self.worker.as_engine(), self.dist)
 
     def close(self) -> None:
-        if self.worker:
-            self.worker.close()  # its thread first: it may still be sampling a step the run will not reach
+        self.worker.close()  # its thread first: it may still be sampling a step the run will not reach
 
 
-class _FromRankZero:
-    """A RolloutEngine whose samples come from `engine` on rank 0 (None on the other ranks), handed to every rank."""
+class FollowingSource:
+    """rollout.mode async under torchrun, ranks other than 0: rank 0's worker samples (`ThreadedSource`); this rank
+    receives each step's rollouts from it and joins the gather of the full weights at every push."""
 
-    holds_copy = True
+    def __init__(self, distributed: Distributed, full_weights: Callable[[], ContextManager]):
+        self.dist, self.full_weights = distributed, full_weights
 
-    def __init__(self, engine: RolloutEngine | None, distributed: Distributed):
-        self.engine, self.dist = engine, distributed
+    def submit(self, planned: PlannedStep) -> Wait:
+        return self.dist.broadcast  # rank 0's rollouts
 
-    def generate(self, prompt_ids, sampling, seeds) -> Rollouts:
-        return self.dist.broadcast(self.engine.generate(prompt_ids, sampling, seeds) if self.engine else None)
+    def push(self, version: int) -> None:
+        with self.full_weights():
+            pass
 
-    def push_weights(self, version: int) -> None:
-        raise EngineError("weights reach an asynchronous engine through RolloutWorker.push")
+    def weights_read(self) -> None:
+        pass
+
+    def begin_step(self) -> None:
+        pass
+
+    def step_metrics(self, groups: list[Group], version: int) -> dict[str, float]:
+        return staleness_metrics(groups, version)
+
+    @contextlib.contextmanager
+    def evaluation_engine(self) -> Iterator[RolloutEngine]:
+        yield _Received(self.dist)
 
     def close(self) -> None:
         pass
+
+
+class _Shared:
+    """A RolloutEngine whose samples rank 0 draws from `engine` and hands to every rank."""
+
+    holds_copy = True
+
+    def __init__(self, engine: RolloutEngine, distributed: Distributed):
+        self.engine, self.dist, self.reports_logprobs = engine, distributed, engine.reports_logprobs
+
+    def generate(self, prompt_ids, sampling, seeds) -> Rollouts:
+        return self.dist.broadcast(self.engine.generate(prompt_ids, sampling, seeds))
+
+    def close(self) -> None:
+        pass
+
+
+class _Received:
+    """A RolloutEngine of a rank other than 0: the samples rank 0 drew (`_Shared`), received."""
+
+    holds_copy = reports_logprobs = True  # async across ranks samples from servers
+
+    def __init__(self, distributed: Distributed):
+        self.dist = distributed
+
+    def generate(self, prompt_ids, sampling, seeds) -> Rollouts:
+        return self.dist.broadcast(None)
+
+    def close(self) -> None:
+        pass
+
+
+def rollout_source(config: ExGRPOConfig, engine: RolloutEngine, generation: GenerationRounds,
+                   full_weights: Callable[[], ContextManager], distributed: Distributed,
+                   snapshot: Callable[[], Weights]) -> RolloutSource:
+    """Where rollouts are sampled, chosen once: inline (sync), or on a worker thread, `max_staleness` steps ahead
+    (async; docs/async.md): rank 0's under torchrun, sampling from servers (docs/scale.md), which take a
+    `snapshot` of the full weights that every rank helped gather."""
+    if config.rollout.mode == "sync":
+        return InlineSource(generation, full_weights)
+    if not engine.holds_copy:
+        raise ConfigError(ASYNC_NEEDS_ITS_OWN_ENGINE)
+    if distributed.enabled and not engine.takes_snapshots:
+        raise ConfigError(ASYNC_ACROSS_RANKS_NEEDS_SERVERS)
+    if not distributed.is_main:
+        return FollowingSource(distributed, full_weights)
+    worker = RolloutWorker(engine, config.rollout.generation_timeout)
+    return ThreadedSource(worker, generation, distributed, full_weights, snapshot if distributed.enabled else None)
 
 
 class Schedule:

@@ -10,8 +10,9 @@
      backfill or replace_from_buffer, drop groups whose rewards are all equal and refill their slots;
   7. pack the groups into tensors; 8. advantages R - mean over each group;
   9. update: M mini-batches of the mixed-policy loss (pre-update log-probs = behaviour log-probs);
-  10. collect the groups into the buffer (mixed phase only); 11. switch to the mixed phase once the batch Pass@1
-  of the policy's own members > threshold (the delayed start); 12. metrics.
+  10. push the new weights to an engine holding a copy (the rollout source decides when it samples from them);
+  11. collect the groups into the buffer (mixed phase only); 12. switch to the mixed phase once the batch Pass@1
+  of the policy's own members > threshold (the delayed start); 13. metrics.
 With experience.ratio = 0 the same loop is plain GRPO (PPO clipping throughout, buffer never used). Steps 1-2 are
 the experience side's (`exgrpo.training.experience`); `exgrpo.training.schedule` runs them max_staleness steps
 ahead (0 in sync mode; docs/async.md) and has the step's first round of rollouts sampled by the rollout source
@@ -34,8 +35,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from exgrpo.config import ConfigError, ExGRPOConfig
-from exgrpo.config.rules import ASYNC_ACROSS_RANKS_NEEDS_SERVERS, ASYNC_NEEDS_ITS_OWN_ENGINE
+from exgrpo.config import ExGRPOConfig
 from exgrpo.data import PromptEncoder, Question, drop_long_prompts
 from exgrpo.errors import Shutdown
 from exgrpo.evaluation.contamination import screen_benchmark_questions
@@ -47,10 +47,9 @@ from exgrpo.models import save_policy
 from exgrpo.records import MIXED
 from exgrpo.rewards import GradingPool
 from exgrpo.rewards.scorer import GroupScorer
-from exgrpo.rollout import RolloutEngine, SamplingSettings, build_engine, derive_seed
+from exgrpo.rollout import RolloutEngine, SamplingSettings, derive_seed, engine_from_config
 from exgrpo.rollout.parity import ParityProbe
 from exgrpo.rollout.weights import copied_weights
-from exgrpo.rollout.worker import RolloutWorker
 from exgrpo.runtime.atomic import write_text_atomic
 from exgrpo.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from exgrpo.runtime.distributed import Distributed, check_replicas, init_distributed, require_on_every_rank, shard
@@ -63,19 +62,9 @@ from exgrpo.training.experience import Experience
 from exgrpo.training.generation import GenerationRounds
 from exgrpo.training.groups import pack_groups
 from exgrpo.training.metrics import StepRecord, sample_lines, step_metrics
-from exgrpo.training.schedule import InlineSource, RolloutSource, Schedule, ThreadedSource
+from exgrpo.training.schedule import Schedule, rollout_source
 
 __all__ = ["ExGRPOTrainer", "StepRecord"]
-
-
-def _refuse_fewer_questions_than_a_step(questions: int, prompts_per_step: int) -> None:
-    """A step of train.prompts_per_step groups needs as many distinct questions: with fewer, every step would
-    silently train on fewer groups (a setting that cannot be honoured is refused, as the config's rules do)."""
-    if 0 < questions < prompts_per_step:
-        raise ConfigError(f"train.prompts_per_step ({prompts_per_step}) is more than the {questions} training "
-                          f"questions (after the held-out split and screening): every step would train on only "
-                          f"{questions} groups; set train.prompts_per_step to at most {questions}, or train on more "
-                          "questions")
 
 
 class ExGRPOTrainer:
@@ -107,9 +96,8 @@ class ExGRPOTrainer:
             torch.set_num_threads(c.train.threads)
         self.prompt_ids = PromptEncoder.from_config(tokenizer, c.data)
         train_dataset = self._screen(train_dataset, "training")
-        _refuse_fewer_questions_than_a_step(len(train_dataset), c.train.prompts_per_step)
         self.eval_dataset = self._screen(eval_dataset or [], "held-out")
-        self.engine = engine or build_engine(c, model, tokenizer, lambda: c.data.max_prompt_length or max(
+        self.engine = engine or engine_from_config(c, model, tokenizer, lambda: c.data.max_prompt_length or max(
             (len(self.prompt_ids(q)) for q in [*train_dataset, *self.eval_dataset]), default=0))
         self.experience = Experience(c, train_dataset, self.prompt_ids, tokenizer, score=self._score_candidates)
         self.learner = Learner.from_config(model, c, self.dist)
@@ -117,7 +105,8 @@ class ExGRPOTrainer:
                                               grading_pool=grading_pool, distributed=self.dist)
         self.generation = GenerationRounds.from_config(c, self.engine, self.scorer, distributed=self.dist,
                                                        weights=self.learner.rollout_weights)
-        self.source = self._rollout_source()
+        self.source = rollout_source(c, self.engine, self.generation, self.learner.full_weights, self.dist,
+                                     functools.partial(copied_weights, self.model))
         staleness = c.rollout.max_staleness if c.rollout.mode == "async" else 0  # sync: plan and sample each step
         self.schedule = Schedule(self.source, lambda step, in_flight, timer: self.experience.plan(
             step, self.learner.weights_version, in_flight, timer), staleness, c.train.steps)
@@ -126,19 +115,6 @@ class ExGRPOTrainer:
         self.history: list[dict] = []
         self.last_step: StepRecord | None = None
         self.last_evaluation: Accuracy | None = None  # the latest periodic evaluation
-
-    def _rollout_source(self) -> RolloutSource:
-        """Where rollouts are sampled, chosen once: inline (sync), or on a worker thread, `max_staleness` steps
-        ahead (async; docs/async.md): rank 0's under torchrun, sampling from servers (docs/scale.md)."""
-        if self.config.rollout.mode == "sync":
-            return InlineSource(self.generation, self.learner.full_weights)
-        if not self.engine.holds_copy:
-            raise ConfigError(ASYNC_NEEDS_ITS_OWN_ENGINE)
-        if self.dist.enabled and not getattr(self.engine, "takes_snapshots", False):
-            raise ConfigError(ASYNC_ACROSS_RANKS_NEEDS_SERVERS)
-        worker = RolloutWorker(self.engine, self.config.rollout.generation_timeout) if self.dist.is_main else None
-        return ThreadedSource(worker, self.generation, self.dist, self.learner.full_weights,
-                              functools.partial(copied_weights, self.model))
 
     def _screen(self, questions: Sequence[Question], which: str) -> list[Question]:
         """The questions the run may use: benchmark test questions handled as data.benchmark_overlap says, and,
@@ -149,46 +125,53 @@ class ExGRPOTrainer:
 
     # ------------------------------------------------------------------ the algorithm
     def train_step(self) -> tuple[dict, list[dict]]:
-        """One step of ExGRPO (see the module docstring); returns its metrics and example completions."""
-        c, timer, start, experience = self.config, StageTimer(), time.perf_counter(), self.experience
-        planned, first_round = self.schedule.next(self.step, timer)  # steps 1-2
-        phase, version = planned.phase, self.learner.weights_version
-        generated = self.generation(planned.groups, self.step, first_round,  # roll out, score, retire
-                                    functools.partial(experience.settle, step=self.step),
-                                    lambda n, asked: experience.refill(n, planned, asked, timer), timer,
-                                    weights_version=planned.version)
-        groups, rewards, correct = generated.groups, generated.rewards, generated.correct
-        batch = pack_groups(groups, self.tokenizer.pad_token_id)
-        advantages = group_advantages(torch.tensor(rewards.total, dtype=torch.float32), c.objective.scale_rewards)
-        self.source.weights_read()
-        update = self.learner(batch, advantages.reshape(-1),
-                              loss_settings(c.objective, c.rollout.max_completion_length, phase, c.guidance.gamma),
-                              c.experience.importance_correction, np.random.default_rng([c.train.seed, self.step, 2]),
-                              timer)
+        """One step of ExGRPO, numbered as in the module docstring; returns its metrics and example completions."""
+        c, timer, start = self.config, StageTimer(), time.perf_counter()
+        planned, first_round = self.schedule.next(self.step, timer)  # 1-2 (planned max_staleness steps ahead)
+        generated = self.generation(planned, first_round, self.experience, timer)  # 3-6
+        batch = pack_groups(generated.groups, self.tokenizer.pad_token_id)  # 7
+        advantages = group_advantages(torch.tensor(generated.rewards.total, dtype=torch.float32),  # 8
+                                      c.objective.scale_rewards)
+        version = self.learner.weights_version  # the pre-update policy's: behaviour log-probs come from it
+        update = self._update(batch, advantages, planned.phase, timer)  # 9
         with timer("push"):
-            self.source.push(self.learner.weights_version)
-        # the parity probe compares engine and trainer on the same weights: not on rollouts of older ones
-        parity = self.parity(self.step, batch.engine_logp, batch.engine_mask, update.behaviour_logp) \
-            if planned.version == version else {}
+            self.source.push(self.learner.weights_version)  # 10
         with timer("buffer"):
-            if phase == MIXED:
-                experience.collect(groups, correct, batch.completion_mask.sum(-1).to(torch.long).tolist(),
-                                   update.behaviour_logp, self.step, version)
-        experience.switch_phase(generated.stats.first_round_pass_at_1)
-        self.step += 1
-        self.last_step = record = StepRecord(phase, groups, rewards, correct, advantages, batch, update,
-                                             generated.stats)
-        metrics = step_metrics(record, experience.buffer, step=self.step - 1, version=version,
+            self.experience.collect_step(planned, generated.groups, generated.correct, batch.completion_mask,  # 11
+                                         update.behaviour_logp, version)
+        self.experience.switch_phase(generated.stats.first_round_pass_at_1)  # 12
+        record = StepRecord(planned.phase, generated.groups, generated.rewards, generated.correct, advantages,
+                            batch, update, generated.stats)
+        return self._metrics(record, planned, version, timer, time.perf_counter() - start)  # 13
+
+    def _update(self, batch, advantages: torch.Tensor, phase: str, timer: StageTimer):
+        """Stage 9, once the last push no longer reads the weights it changes."""
+        c = self.config
+        self.source.weights_read()
+        return self.learner(batch, advantages.reshape(-1),
+                            loss_settings(c.objective, c.rollout.max_completion_length, phase, c.guidance.gamma),
+                            c.experience.importance_correction, np.random.default_rng([c.train.seed, self.step, 2]),
+                            timer)
+
+    def _metrics(self, record: StepRecord, planned, version: int, timer: StageTimer,
+                 elapsed: float) -> tuple[dict, list[dict]]:
+        """Stage 13, and the step counted done: its metrics (with the engine parity probe's, the source's and the
+        replica check's) and, every logging.sample_every steps, example completions."""
+        c, experience, batch, step = self.config, self.experience, record.batch, self.step
+        self.step, self.last_step = step + 1, record
+        metrics = step_metrics(record, experience.buffer, step=step, version=version,
                                fresh_remaining=experience.question_pool.remaining, solved=len(experience.solved),
                                learning_rate=self.learner.learning_rate, skipped_updates=self.learner.skipped_updates,
-                               guidance=bool(experience.guidance), timings=timer.metrics(),
-                               elapsed=time.perf_counter() - start)
-        metrics.update({**parity, **self.source.step_metrics(groups, version)})
+                               guidance=bool(experience.guidance), timings=timer.metrics(), elapsed=elapsed)
+        # the parity probe compares engine and trainer on the same weights: not on rollouts of older ones
+        if planned.version == version:
+            metrics.update(self.parity(step, batch.engine_logp, batch.engine_mask, record.update.behaviour_logp))
+        metrics.update(self.source.step_metrics(record.groups, version))
         if c.train.check_replicas:
             metrics.update(check_replicas(self.dist, self.step, experience.buffer.fingerprint(),
                                           None if self.learner.sharded else self.model))
         log_samples = c.logging.sample_every and self.step % c.logging.sample_every == 0
-        return metrics, sample_lines(groups, rewards.total, self.tokenizer) if log_samples else []
+        return metrics, sample_lines(record.groups, record.rewards.total, self.tokenizer) if log_samples else []
 
     def _score_candidates(self, pairs: list[tuple[Question, Trajectory]]) -> list[float]:
         """Selection scores of (question, stored trajectory) pairs; each rank scores a shard, all get every score."""

@@ -1,0 +1,33 @@
+"""Config fields that were renamed: read under their new names wherever a config comes from (a file, an override,
+a stored run config), saying so once per use."""
+
+from __future__ import annotations
+
+import sys
+
+from exgrpo.errors import ConfigError
+
+#: renamed fields, old dotted name -> new: a file, an override or a stored run config (`--resume`) that still uses
+#: the old name is read with the new one, saying so once
+RENAMED = {"rollout.sync_timeout": "rollout.push_timeout"}
+
+
+def renamed_key(dotted: str) -> str:
+    if dotted in RENAMED:
+        print(f"exgrpo: {dotted} is now called {RENAMED[dotted]}: read as that", file=sys.stderr)
+        return RENAMED[dotted]
+    return dotted
+
+
+def rename_fields(tree: dict) -> dict:
+    """`tree` (nested sections) with renamed fields under their new names; both names set is an error."""
+    for old, new in RENAMED.items():
+        (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
+        section = tree.get(old_section)
+        if isinstance(section, dict) and old_key in section:
+            if new_key in tree.get(new_section, {}):
+                raise ConfigError(f"{old} and {new} are both set: {old} is the old name of {new}; keep {new}")
+            tree[new_section] = {**tree.get(new_section, {}), new_key: section[old_key]}
+            tree[old_section] = {k: v for k, v in tree[old_section].items() if k != old_key}
+            renamed_key(old)
+    return tree
