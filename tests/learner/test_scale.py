@@ -61,6 +61,16 @@ def _update(model, **train):
     return Learner(model, config.train, group_size=4, temperature=1.0, dist=Distributed())
 
 
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_one_process_trains_its_model_as_it_is_whatever_the_sharding(tiny_policy, sharding):
+    """train.sharding applies across ranks: a one-process learner neither wraps nor shards, nor scales the loss."""
+    model, _ = tiny_policy
+    learner = Learner(model, config_from_dict({"train": {"sharding": sharding}}).train, group_size=4,
+                      temperature=1.0, dist=Distributed())
+    assert learner.train_model is model and not learner.sharded and learner.parallel.loss_multiplier == 1
+    assert learner.parallel.backward_passes(0) == 0  # no padding pass: there are no collectives to join
+
+
 def test_token_budget_micro_batches_give_the_one_micro_batch_update(questions):
     from exgrpo.models import load_policy
 

@@ -6,10 +6,9 @@ The update (spec §4.3): M mini-batches of whole groups, gradient accumulation o
 micro-batches, one clipped AdamW step per mini-batch; and the pre-update log-probs that become the behaviour
 log-probs of collected trajectories.
 
-Under data parallelism each rank works on its shard of every mini-batch's groups. With `loss_scale: global` the
-loss is scaled by the world size, so that the ranks' averaged gradients equal the one-process update; with
-`per_rank` each rank's loss stands alone and the gradients are averaged (the released code's scale: spec §4.3).
-`train.sharding: ddp` wraps the model in DDP, `fsdp` shards it with FSDP2 (exgrpo.runtime.sharding).
+Under data parallelism each rank works on its shard of every mini-batch's groups; how the model is spread over the
+ranks (one process, DDP or FSDP2: loss scale, gradient reduction, norm, full weights) is a strategy chosen once,
+when the learner is built (exgrpo.learner.parallel).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from exgrpo.errors import TrainingError
 from exgrpo.learner.objective import (LossSettings, importance_weight_stats, merge_stats, mixed_policy_loss,
                                      truncated_importance_weights)
 from exgrpo.learner.forward import PackedBatch, candidate_scores, token_logprobs
-from exgrpo.runtime.sharding import all_finite, fully_shard_model, gathered, load_optimizer_state, optimizer_state
+from exgrpo.learner.parallel import parallelism
 from exgrpo.records import WARMUP
 from exgrpo.runtime.timing import StageTimer
 
@@ -113,7 +112,7 @@ class Learner:
         group_size: K; mini-batches hold whole groups of K consecutive rows.
         temperature: the rollout temperature (log-probs are those of the sampling distribution).
         dist: the data-parallel context.
-        loss_scale: "global" or "per_rank" (see the module docstring).
+        loss_scale: "global" or "per_rank" (see `exgrpo.learner.parallel`).
         tis_cap: weight fresh tokens by min(pi_old / pi_engine, tis_cap) where the engine reported log-probs;
             None: no engine correction.
     """
@@ -134,24 +133,17 @@ class Learner:
             raise ValueError(f"train.prompts_per_step / train.mini_batches = {per_mini_batch} questions per "
                              f"mini-batch cannot be shared by {dist.world_size} data-parallel ranks")
         self.model, self.train, self.K, self.temperature, self.dist = model, train, group_size, temperature, dist
-        self.loss_scale, self.tis_cap = loss_scale, tis_cap
-        self.sharded = train.sharding == "fsdp" and dist.enabled
-        bf16 = train.dtype == "bf16"
+        self.tis_cap = tis_cap
         if train.activation_checkpointing:
             if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.2x
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.sharded:
-            fully_shard_model(model, dist, bf16)
-        # no buffer broadcast: the model's buffers (e.g. rotary frequencies) never change, and without it ranks may
-        # run different numbers of forward passes (one gradient all-reduce per mini-batch is what must match)
-        self.train_model = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) \
-            if dist.enabled and not self.sharded else model
-        self._autocast = bf16 and not self.sharded  # FSDP2 casts the parameters itself
-        # the KV-cache prompt sharing needs the cache, which activation checkpointing turns off; under FSDP every
-        # rank must run the same passes, so it is always on
-        self.prompt_sharing = "never" if train.activation_checkpointing else "always" if self.sharded else "auto"
+        self.parallel = parallelism(model, train, dist, loss_scale)
+        self.train_model = self.parallel.train_model
+        self._autocast = train.dtype == "bf16" and not self.parallel.casts_parameters
+        # the KV-cache prompt sharing needs the cache, which activation checkpointing turns off
+        self.prompt_sharing = "never" if train.activation_checkpointing else self.parallel.prompt_sharing
         # with dropout, the training forward is not the sampling policy: behaviour log-probs need their own pass
         self.separate_behaviour_pass = train.mini_batches > 1 or any(
             isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
@@ -174,9 +166,14 @@ class Learner:
     def learning_rate(self) -> float:
         return float(self.scheduler.get_last_lr()[0])
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the weights are sharded over the ranks: no replica to compare, a checkpoint gathers them."""
+        return self.parallel.shards_weights
+
     def full_weights(self):
         """A context for forward passes that ranks run different numbers of times (generation, scoring)."""
-        return gathered(self.model)
+        return self.parallel.full_weights()
 
     @contextlib.contextmanager
     def rollout_weights(self):
@@ -230,9 +227,8 @@ class Learner:
         stats = merge_stats([p for ps, _ in gathered_parts for p in ps])
         stats["loss"] = sum(loss for _, loss in gathered_parts)  # as optimised: summed over micro-batches
         stats["grad_norm"] = float(np.mean(grad_norms))
-        if self.dist.enabled:
-            old_logp, entropy = self._gather_rows(old_logp, my_rows), self._gather_rows(entropy, my_rows)
-        return UpdateResult(stats, old_logp, entropy)
+        return UpdateResult(stats, self.parallel.assemble_rows(old_logp, my_rows),
+                            self.parallel.assemble_rows(entropy, my_rows))
 
     def _mini_batches(self, num_groups: int, rng: np.random.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(all rows of the mini-batch, this rank's rows) for each of the M mini-batches of shuffled groups; fewer
@@ -277,13 +273,10 @@ class Learner:
         mask = batch.completion_mask
         totals = {"total_tokens": float(mask[mini].sum()), "total_sequences": float(len(mini))}
         micro_batches = self._micro_batches(batch, mine)
-        if self.sharded:
-            passes = max(self.dist.gather([len(micro_batches)]))
-        else:
-            passes = max(len(micro_batches), 1 if self.dist.enabled else 0)
+        passes = self.parallel.backward_passes(len(micro_batches))
         loss_sum, parts = 0.0, []
         for i in range(passes):
-            with self._gradient_sync(last=i == passes - 1):
+            with self.parallel.gradient_sync(last=i == passes - 1):
                 if i >= len(micro_batches):  # padding pass: joins the collectives, adds nothing
                     self.logprobs(self.train_model, batch, mini[:1], with_entropy=False)[0].sum().mul(0.0).backward()
                     continue
@@ -323,21 +316,11 @@ class Learner:
         if not torch.isfinite(loss):
             raise TrainingError(f"the loss is not finite ({loss.item()}); the update is not applied and "
                                 "the last checkpoint is the last good state")
-        (loss * (self.dist.world_size if self.loss_scale == "global" else 1)).backward()
+        (loss * self.parallel.loss_multiplier).backward()
         return loss.item(), stats
 
-    def _gradient_sync(self, last: bool):
-        """Gradients are reduced across ranks on the last backward pass of a mini-batch only."""
-        if self.sharded:
-            self.model.set_requires_gradient_sync(last)
-            return contextlib.nullcontext()
-        if self.dist.enabled and not last:
-            return self.train_model.no_sync()
-        return contextlib.nullcontext()
-
     def _optimizer_step(self) -> float:
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.train.max_grad_norm)
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        norm = self.parallel.clip_gradients(self.params, self.train.max_grad_norm)
         applied = math.isfinite(norm) and norm <= self.train.skip_grad_norm
         if not applied:
             self.skipped_updates += 1
@@ -347,7 +330,7 @@ class Learner:
                                     f"than train.max_skipped_updates {self.train.max_skipped_updates}")
         else:
             self.optimizer.step()
-            if not all_finite(self.params, self.dist):
+            if not self.parallel.all_finite(self.params):
                 raise TrainingError(f"the weights are not finite after an optimizer step (learning rate "
                                     f"{self.learning_rate:g}); the last checkpoint is the last good state")
         self.optimizer.zero_grad(set_to_none=True)
@@ -355,20 +338,13 @@ class Learner:
         self.optimizer_steps += 1
         return norm
 
-    def _gather_rows(self, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Every rank's rows of `values` assembled into one tensor on every rank."""
-        out = values.clone()
-        for index, part in self.dist.gather([(rows.tolist(), values[rows])]):
-            out[index] = part
-        return out
-
     def state_dict(self) -> dict:
         """Optimizer state keyed by parameter name (independent of sharding), scheduler, counters. Every rank
         must call it under FSDP."""
-        return {"optimizer": optimizer_state(self.model, self.optimizer), "scheduler": self.scheduler.state_dict(),
+        return {"optimizer": self.parallel.optimizer_state(self.optimizer), "scheduler": self.scheduler.state_dict(),
                 "optimizer_steps": self.optimizer_steps, "skipped_updates": self.skipped_updates}
 
     def load_state_dict(self, state: dict) -> None:
-        load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+        self.parallel.load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.optimizer_steps, self.skipped_updates = state["optimizer_steps"], state["skipped_updates"]

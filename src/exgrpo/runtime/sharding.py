@@ -18,7 +18,6 @@ import os
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
@@ -99,16 +98,6 @@ def optimizer_state(model, optimizer) -> dict:
 
 def load_optimizer_state(model, optimizer, state: dict) -> None:
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
-
-
-def all_finite(tensors, ctx: Distributed) -> bool:
-    """Whether every element of every tensor (this rank's shard of a DTensor) is finite, on every rank."""
-    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-    ok = torch.stack([torch.isfinite(t).all() for t in local]).all().to(torch.int32)
-    if ctx.enabled:
-        ok = ok.to(ctx.device)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return bool(ok)
 
 
 def refuse_accelerate_fsdp(sharding: str) -> None:
