@@ -1,5 +1,5 @@
-"""The records that cross roles: a step's groups (one question, its prompt, K members), their rewards, and the
-two phases of a run."""
+"""The records that cross roles: a step's groups (one question, its prompt, K members), their rewards, a stored
+trajectory, and the two phases of a run."""
 
 from __future__ import annotations
 
@@ -9,9 +9,21 @@ from typing import Sequence
 import numpy as np
 
 from exgrpo.data.questions import Question
-from exgrpo.experience.buffer import Trajectory
 
 WARMUP, MIXED = "warmup", "mixed"  # plain GRPO before the delayed start; experience replay after it
+
+
+@dataclass
+class Trajectory:
+    """One stored trajectory: response token ids, their behaviour log-probs, the step it was collected at, the
+    weights version (applied optimizer steps) those log-probs are of (the one that sampled it, in sync mode), and
+    how often it was trained on as a replay before."""
+
+    token_ids: np.ndarray  # (T,) int32
+    logprobs: np.ndarray  # (T,) float32
+    step: int
+    version: int = -1  # -1: not recorded
+    uses: int = 0
 
 
 @dataclass

@@ -11,7 +11,8 @@ from exgrpo.config import config_from_dict
 from exgrpo.data import PromptEncoder
 from exgrpo.runtime.distributed import Distributed
 from exgrpo.learner.objective import LossSettings, mixed_policy_loss
-from exgrpo.learner.forward import pack, token_logprobs
+from exgrpo.learner.forward import token_logprobs
+from exgrpo.tensors import pack
 from exgrpo.rollout import HFEngine, SamplingSettings
 from exgrpo.runtime.timing import StageTimer
 from exgrpo.training.trainer import ExGRPOTrainer

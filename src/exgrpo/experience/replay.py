@@ -8,8 +8,8 @@ from typing import Callable, Hashable, Sequence, TypeVar
 import numpy as np
 import torch
 
-from exgrpo.experience.buffer import Trajectory
 from exgrpo.experience.selection import select_index
+from exgrpo.records import Trajectory
 
 Key = TypeVar("Key", bound=Hashable)
 

@@ -26,9 +26,10 @@ from exgrpo.runtime.distributed import Distributed
 from exgrpo.errors import TrainingError
 from exgrpo.learner.objective import (LossSettings, importance_weight_stats, merge_stats, mixed_policy_loss,
                                      truncated_importance_weights)
-from exgrpo.learner.forward import PackedBatch, candidate_scores, token_logprobs
+from exgrpo.learner.forward import candidate_scores, token_logprobs
 from exgrpo.runtime.sharding import all_finite, fully_shard_model, gathered, load_optimizer_state, optimizer_state
 from exgrpo.records import WARMUP
+from exgrpo.tensors import PackedBatch
 from exgrpo.runtime.timing import StageTimer
 
 

@@ -7,8 +7,8 @@ from typing import Sequence
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from exgrpo.learner.forward import distinct_rows
 from exgrpo.rollout.base import Rollouts, SamplingSettings
+from exgrpo.tensors import distinct_rows
 
 
 class PerRowSampler(LogitsProcessor):

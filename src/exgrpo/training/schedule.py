@@ -25,13 +25,12 @@ import numpy as np
 
 from exgrpo.data import Question
 from exgrpo.errors import EngineError
-from exgrpo.experience import Trajectory
-from exgrpo.records import Group, Member
+from exgrpo.records import Group, Member, Trajectory
 from exgrpo.rollout import RolloutEngine, Rollouts
 from exgrpo.rollout.worker import RolloutWorker, Sampled
 from exgrpo.runtime.distributed import Distributed
 from exgrpo.runtime.timing import StageTimer
-from exgrpo.training.experience import PlannedStep
+from exgrpo.training.experience_side import PlannedStep
 from exgrpo.training.generation import GenerationRounds
 
 Plan = Callable[[int, frozenset, StageTimer], PlannedStep]  # (step, question ids in flight, timer) -> the plan

@@ -13,7 +13,7 @@
   10. collect the groups into the buffer (mixed phase only); 11. switch to the mixed phase once the batch Pass@1
   of the policy's own members > threshold (the delayed start); 12. metrics.
 With experience.ratio = 0 the same loop is plain GRPO (PPO clipping throughout, buffer never used). Steps 1-2 are
-the experience side's (`exgrpo.training.experience`); `exgrpo.training.schedule` runs them max_staleness steps
+the experience side's (`exgrpo.training.experience_side`); `exgrpo.training.schedule` runs them max_staleness steps
 ahead (0 in sync mode; docs/async.md) and has the step's first round of rollouts sampled by the rollout source
 chosen once, where the trainer is built.
 
@@ -40,11 +40,11 @@ from exgrpo.data import PromptEncoder, Question, drop_long_prompts
 from exgrpo.errors import Shutdown
 from exgrpo.evaluation.contamination import screen_benchmark_questions
 from exgrpo.evaluation.heldout import Accuracy, evaluate_accuracy
-from exgrpo.experience import Trajectory
+from exgrpo.experience.buffer import read_state, write_state
 from exgrpo.learner.objective import group_advantages
 from exgrpo.learner.learner import Learner, loss_settings
 from exgrpo.models import save_policy
-from exgrpo.records import MIXED
+from exgrpo.records import MIXED, Trajectory
 from exgrpo.rewards import GradingPool
 from exgrpo.rewards.scorer import GroupScorer
 from exgrpo.rollout import RolloutEngine, SamplingSettings, build_engine, derive_seed
@@ -59,7 +59,7 @@ from exgrpo.runtime.sharding import full_model_state, refuse_accelerate_fsdp
 from exgrpo.runtime.signals import StopRequest
 from exgrpo.runtime.timing import StageTimer
 from exgrpo.runtime.tracking import Tracker, truncate_metrics
-from exgrpo.training.experience import Experience
+from exgrpo.training.experience_side import Experience
 from exgrpo.training.generation import GenerationRounds
 from exgrpo.training.groups import pack_groups
 from exgrpo.training.metrics import StepRecord, sample_lines, step_metrics
@@ -305,7 +305,7 @@ class ExGRPOTrainer:
         if self.dist.is_main:
             save_checkpoint(self.config.logging.output_dir, self.step,
                             lambda directory: save_policy(self.model, self.tokenizer, directory, weights),
-                            state, self.config.train.save_total_limit)
+                            functools.partial(write_state, state["buffer"]), state, self.config.train.save_total_limit)
         self.dist.barrier()
 
     def resume(self, directory, verified: bool = False) -> None:
@@ -313,7 +313,7 @@ class ExGRPOTrainer:
         `verified` (by `exgrpo.training.launch.start_point`, which also checks that the config is the run's own).
         Logged lines of later steps are dropped: they will be logged again."""
         require_on_every_rank(self.dist, Path(directory))
-        self.load_state_dict(load_checkpoint(directory, self.model, verified))
+        self.load_state_dict(load_checkpoint(directory, self.model, read_state, verified))
         self._resumed = True
         if self.dist.is_main:
             truncate_metrics(self.config.logging.output_dir, self.step)

@@ -18,8 +18,8 @@ import torch
 
 from exgrpo.config import ExGRPOConfig
 from exgrpo.data import Question, QuestionPool
-from exgrpo.experience import ExperienceBuffer, Trajectory, num_experiential, replay_policy_from_config, select_replays
-from exgrpo.records import MIXED, WARMUP, Group
+from exgrpo.experience import ExperienceBuffer, num_experiential, replay_policy_from_config, select_replays
+from exgrpo.records import MIXED, WARMUP, Group, Trajectory
 from exgrpo.runtime.timing import StageTimer
 from exgrpo.training.generation import own_members
 from exgrpo.training.groups import form_groups
