@@ -1,6 +1,7 @@
-"""The tensors every layer shares: a packed batch of sequences (prompt + completion) and the row utilities around
-it. Used by the learner (forward passes), the rollout engines (shared prompts) and the training loop (packing
-groups).
+"""The tensors every layer shares: a packed batch of sequences (prompt + completion), the row utilities around it
+and per-sequence scores from per-token values. Used by the learner (forward passes, scoring replay candidates), the
+rollout engines (shared prompts), the experience side (what a selection metric scores) and the training loop
+(packing groups).
 
 Shapes: N sequences; P the padded prompt width; T the padded completion width.
 """
@@ -8,7 +9,7 @@ Shapes: N sequences; P the padded prompt width; T the padded completion width.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -80,3 +81,18 @@ def distinct_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rank = torch.empty_like(order)
     rank[order] = torch.arange(len(order))
     return first[order], rank[inverse]
+
+
+@dataclass(frozen=True)
+class TrajectoryScore:
+    """A score of each of N sequences from one per-token value of the policy over its completion tokens: the
+    (N,) token sums and token counts (at least 1) reduced to (N,) scores by `reduce`; `uses_entropy` says which
+    value (token entropies, else the tokens' log-probs)."""
+
+    uses_entropy: bool
+    reduce: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+    def __call__(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(N,) scores of the (N, T) per-token `values` where `mask` is 1."""
+        mask = mask.to(values.dtype)
+        return self.reduce((values * mask).sum(-1), mask.sum(-1).clamp(min=1))

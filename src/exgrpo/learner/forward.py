@@ -1,5 +1,6 @@
 """The policy's view of a batch: the forward pass that gives per-token log-probs and entropies of a packed batch
-(`exgrpo.tensors.PackedBatch`). Used by the update (training and pre-update log-probs) and by replay selection (scoring candidates).
+(`exgrpo.tensors.PackedBatch`). Used by the update (training and pre-update log-probs) and by replay selection
+(scoring candidates).
 
 Shapes: N sequences; P the padded prompt width; T the padded completion width.
 """
@@ -10,8 +11,14 @@ from typing import Callable, Sequence
 
 import torch
 
-from exgrpo.experience.selection import trajectory_scores
-from exgrpo.tensors import PackedBatch, distinct_rows, pack
+from exgrpo.tensors import PackedBatch, TrajectoryScore, distinct_rows, pack
+
+#: Whether rows that share a prompt run it once (the learner chooses): (distinct prompts, rows) -> share
+PROMPT_SHARING: dict[str, Callable[[int, int], bool]] = {
+    "auto": lambda distinct, rows: distinct < rows,  # when some rows share one
+    "always": lambda distinct, rows: True,
+    "never": lambda distinct, rows: False,
+}
 
 
 def token_logprobs(model, batch: PackedBatch, temperature: float, rows: slice | torch.Tensor = slice(None),
@@ -27,10 +34,11 @@ def token_logprobs(model, batch: PackedBatch, temperature: float, rows: slice | 
     recomputed in backward, so (tokens x vocabulary) logits never exist at once; None computes them in one go.
     Padding positions hold 0: mask them with `batch.completion_mask`.
     """
+    shares = PROMPT_SHARING[prompt_sharing]
     T_full = batch.completion_ids.shape[1]
     input_ids, attention, positions, targets, mask = _trimmed(batch, rows, device)
     want_hidden = chunk_tokens is not None
-    final = _final_states(model, input_ids, attention, positions, targets, prompt_sharing, want_hidden)
+    final = _final_states(model, input_ids, attention, positions, targets, shares, want_hidden)
     if want_hidden:
         logp, entropy = _chunked_head(_output_head(model), final, targets, mask, temperature, with_entropy,
                                       chunk_tokens)
@@ -39,14 +47,15 @@ def token_logprobs(model, batch: PackedBatch, temperature: float, rows: slice | 
     return _pad_to(logp * mask, T_full), (_pad_to(entropy * mask, T_full) if with_entropy else None)
 
 
-def _final_states(model, input_ids, attention, positions, targets, prompt_sharing: str, want_hidden: bool):
+def _final_states(model, input_ids, attention, positions, targets, shares: Callable[[int, int], bool],
+                  want_hidden: bool):
     """(n, T, ·) the states that predict each of the T completion tokens: last-layer hidden states when
-    `want_hidden` (for a chunked head), else logits. With prompt sharing, each distinct prompt runs once and its
-    KV cache is indexed out to the rows that share it."""
+    `want_hidden` (for a chunked head), else logits. With prompt sharing (`shares(distinct prompts, rows)`), each
+    distinct prompt runs once and its KV cache is indexed out to the rows that share it."""
     T = targets.shape[1]
     P = input_ids.shape[1] - T
     first, owner = distinct_rows(torch.cat([input_ids[:, :P], attention[:, :P]], dim=1))
-    share = prompt_sharing == "always" or (prompt_sharing == "auto" and len(first) < len(input_ids))
+    share = shares(len(first), len(input_ids))
     extra = {"output_hidden_states": True} if want_hidden else {}
     if not share:
         out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
@@ -124,15 +133,14 @@ def _chunked_head(head, hidden: torch.Tensor, targets: torch.Tensor, mask: torch
 
 @torch.no_grad()
 def candidate_scores(forward: Callable[[PackedBatch, bool], tuple[torch.Tensor, torch.Tensor | None]],
-                     candidates: Sequence[tuple[Sequence[int], Sequence[int]]], metric: str, pad_id: int,
-                     batch_size: int) -> list[float]:
-    """Replay-selection scores (see `exgrpo.experience.selection.trajectory_scores`) of (prompt ids, stored
+                     candidates: Sequence[tuple[Sequence[int], Sequence[int]]], metric: TrajectoryScore,
+                     pad_id: int, batch_size: int) -> list[float]:
+    """Replay-selection scores by `metric` (`exgrpo.experience.selection.SELECTION_METRICS`) of (prompt ids, stored
     trajectory ids) pairs, in no-grad `forward(batch, with_entropy) -> (log-probs, entropies)` passes of
     `batch_size` candidates (the caller puts the model in eval mode)."""
     scores: list[float] = []
     for start in range(0, len(candidates), batch_size):
         batch = pack([(p, t, None) for p, t in candidates[start : start + batch_size]], pad_id)
-        logp, entropy = forward(batch, metric != "perplexity")
-        values = logp if metric == "perplexity" else entropy
-        scores += trajectory_scores(values, batch.completion_mask, metric).cpu().tolist()
+        logp, entropy = forward(batch, metric.uses_entropy)
+        scores += metric(entropy if metric.uses_entropy else logp, batch.completion_mask).cpu().tolist()
     return scores

@@ -29,7 +29,7 @@ from exgrpo.learner.objective import (LossSettings, importance_weight_stats, mer
 from exgrpo.learner.forward import candidate_scores, token_logprobs
 from exgrpo.runtime.sharding import all_finite, fully_shard_model, gathered, load_optimizer_state, optimizer_state
 from exgrpo.records import WARMUP
-from exgrpo.tensors import PackedBatch
+from exgrpo.tensors import PackedBatch, TrajectoryScore
 from exgrpo.runtime.timing import StageTimer
 
 
@@ -196,7 +196,7 @@ class Learner:
             return token_logprobs(model, batch, self.temperature, rows, with_entropy, device=self.dist.device,
                                   chunk_tokens=self.train.logprob_chunk_tokens, prompt_sharing=self.prompt_sharing)
 
-    def selection_scores(self, candidates: list[tuple[list[int], list[int]]], metric: str, pad_id: int,
+    def selection_scores(self, candidates: list[tuple[list[int], list[int]]], metric: TrajectoryScore, pad_id: int,
                          batch_size: int) -> list[float]:
         """Replay-selection scores of (prompt ids, trajectory ids) pairs under the current policy (eval mode: no
         dropout), in no-grad passes of `batch_size` candidates (see `exgrpo.learner.forward.candidate_scores`)."""

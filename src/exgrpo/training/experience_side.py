@@ -18,14 +18,16 @@ import torch
 
 from exgrpo.config import ExGRPOConfig
 from exgrpo.data import Question, QuestionPool
-from exgrpo.experience import ExperienceBuffer, num_experiential, replay_policy_from_config, select_replays
+from exgrpo.experience import (SELECTION_METRICS, SELECTION_MODES, ExperienceBuffer, num_experiential,
+                               replay_policy_from_config, select_replays)
 from exgrpo.records import MIXED, WARMUP, Group, Trajectory
 from exgrpo.runtime.timing import StageTimer
-from exgrpo.training.generation import own_members
+from exgrpo.tensors import TrajectoryScore
+from exgrpo.training.generation import ZERO_VARIANCE_RULES, own_members
 from exgrpo.training.groups import form_groups
 from exgrpo.training.guidance import Guidance
 
-ScoreCandidates = Callable[[list[tuple[Question, Trajectory]]], list[float]]
+ScoreCandidates = Callable[[list[tuple[Question, Trajectory]], TrajectoryScore], list[float]]
 
 
 @dataclass
@@ -51,7 +53,7 @@ class Experience:
         questions: the training questions (screened).
         prompt_ids: a question's prompt token ids.
         tokenizer: tokenizes demonstrations (guidance).
-        score: selection scores of (question, stored trajectory) pairs under the current policy.
+        score: selection scores of (question, stored trajectory) pairs under the current policy, by the metric given.
     """
 
     def __init__(self, config: ExGRPOConfig, questions: Sequence[Question], prompt_ids: Callable[[Question], list],
@@ -64,6 +66,8 @@ class Experience:
                                           batch_size=c.train.prompts_per_step)
         self.guidance = Guidance.from_config(c.guidance, questions, tokenizer, c.rollout.max_completion_length)
         self.replay_policy = replay_policy_from_config(e, self.buffer, self.K)
+        self.selection_metric, self.choose = SELECTION_METRICS[e.selection_metric], SELECTION_MODES[e.selection_mode]
+        self.refills_from_buffer = ZERO_VARIANCE_RULES[c.rollout.zero_variance].from_buffer
         self.retires = e.retirement != "none"
         self.solved: set[str] = set()  # questions with a correct rollout of the policy's own (coverage, guidance)
         self.phase = WARMUP
@@ -107,9 +111,8 @@ class Experience:
 
     def select_replays(self, questions: Sequence[Question], rng: np.random.Generator) -> list[Trajectory]:
         """For each question, the stored trajectory the selection rule picks under the current policy."""
-        e = self.config.experience
         candidates = [(q, self.buffer.trajectories(q.id)) for q in questions]
-        return select_replays(candidates, e.selection_metric, e.selection_mode, rng, score=self.score)
+        return select_replays(candidates, self.selection_metric, self.choose, rng, score=self.score)
 
     def settle(self, groups: list[Group], correct: np.ndarray, step: int) -> int:
         """A generation round's outcome, dropped groups included: questions whose own members are all correct are
@@ -131,7 +134,7 @@ class Experience:
         """n groups for the planned step's dropped slots: with replace_from_buffer in the mixed phase, experiential
         questions not asked yet this step (with their replays), then fresh questions."""
         experiential = []
-        if self.config.rollout.zero_variance == "replace_from_buffer" and planned.phase == MIXED:
+        if self.refills_from_buffer and planned.phase == MIXED:
             experiential = self.sample_experiential(planned.rng, planned.step, n, asked)
         fresh = self.question_pool.draw(n - len(experiential))
         return self.build_groups(experiential, fresh, planned.phase, planned.rng, timer, planned.step)

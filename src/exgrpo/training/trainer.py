@@ -59,6 +59,7 @@ from exgrpo.runtime.sharding import full_model_state, refuse_accelerate_fsdp
 from exgrpo.runtime.signals import StopRequest
 from exgrpo.runtime.timing import StageTimer
 from exgrpo.runtime.tracking import Tracker, truncate_metrics
+from exgrpo.tensors import TrajectoryScore
 from exgrpo.training.experience_side import Experience
 from exgrpo.training.generation import GenerationRounds
 from exgrpo.training.groups import pack_groups
@@ -190,12 +191,11 @@ class ExGRPOTrainer:
         log_samples = c.logging.sample_every and self.step % c.logging.sample_every == 0
         return metrics, sample_lines(groups, rewards.total, self.tokenizer) if log_samples else []
 
-    def _score_candidates(self, pairs: list[tuple[Question, Trajectory]]) -> list[float]:
+    def _score_candidates(self, pairs: list[tuple[Question, Trajectory]], metric: TrajectoryScore) -> list[float]:
         """Selection scores of (question, stored trajectory) pairs; each rank scores a shard, all get every score."""
-        e = self.config.experience
         mine = [(self.prompt_ids(q), t.token_ids.tolist()) for q, t in shard(pairs, self.dist)]
-        return self.dist.gather(self.learner.selection_scores(mine, e.selection_metric, self.tokenizer.pad_token_id,
-                                                             e.selection_batch_size))
+        return self.dist.gather(self.learner.selection_scores(mine, metric, self.tokenizer.pad_token_id,
+                                                             self.config.experience.selection_batch_size))
 
     # ------------------------------------------------------------------ the run
     def train(self, tracker: Tracker | None = None, on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
