@@ -41,8 +41,9 @@ from exgrpo.data import load_questions  # noqa: E402
 from exgrpo.config import LoraConfig
 from exgrpo.models import apply_lora, load_policy  # noqa: E402
 from exgrpo.learner.objective import mixed_policy_loss  # noqa: E402
-from exgrpo.learner.forward import pack, token_logprobs  # noqa: E402
+from exgrpo.learner.forward import token_logprobs  # noqa: E402
 from exgrpo.records import WARMUP  # noqa: E402
+from exgrpo.tensors import pack  # noqa: E402
 from exgrpo.training.trainer import ExGRPOTrainer  # noqa: E402
 from exgrpo.learner.learner import loss_settings  # noqa: E402
 

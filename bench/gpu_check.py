@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from exgrpo.config import config_from_dict  # noqa: E402
 from exgrpo.data import Question  # noqa: E402
 from exgrpo.learner.objective import LossSettings  # noqa: E402
-from exgrpo.learner.forward import pack, token_logprobs  # noqa: E402
+from exgrpo.learner.forward import token_logprobs  # noqa: E402
+from exgrpo.tensors import pack  # noqa: E402
 from exgrpo.learner.learner import Learner  # noqa: E402
 from exgrpo.models import load_policy  # noqa: E402
 from exgrpo.rollout import HFEngine, SamplingSettings  # noqa: E402

@@ -48,7 +48,7 @@ def measure_micro_batch(model_name: str, length: int, chunk: int | None, checkpo
     from exgrpo.config import LoraConfig
     from exgrpo.models import load_policy
     from exgrpo.learner.objective import LossSettings, mixed_policy_loss
-    from exgrpo.learner.forward import pack
+    from exgrpo.tensors import pack
     from exgrpo.learner.learner import Learner
 
     torch.set_num_threads(2)
@@ -89,7 +89,7 @@ def measure_ranks(model_name: str, sharding: str, length: int) -> None:
     from exgrpo.runtime.distributed import init_distributed
     from exgrpo.models import load_policy
     from exgrpo.learner.objective import LossSettings, mixed_policy_loss
-    from exgrpo.learner.forward import pack
+    from exgrpo.tensors import pack
     from exgrpo.learner.learner import Learner
 
     torch.set_num_threads(1)

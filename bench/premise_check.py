@@ -7,9 +7,10 @@ completion with the project's training reward (math-verify, `MathReward`, restat
 without EOS scores 0, i.e. `reward.truncated=fail`), and for every correct completion checks each "lhs = rhs" it
 writes (`steps`): *valid* (at least one checkable step, all of them right), *lucky* (right answer, at least one
 wrong step) or *no working* (no checkable step at all). It then scores the correct completions with the project's
-selection metric (mean token entropy under the model, `exgrpo.learner.forward.candidate_scores` with metric
-"entropy", the same function the trainer's replay selection calls) and asks, over the questions whose correct
-completions differ in validity, whether the lowest-entropy one is valid more often than a random one.
+selection metric (mean token entropy under the model, `exgrpo.learner.forward.candidate_scores` with
+`SELECTION_METRICS["entropy"]`, the same function the trainer's replay selection calls) and asks, over the
+questions whose correct completions differ in validity, whether the lowest-entropy one is valid more often than a
+random one.
 
     PYTHONPATH=src HF_HUB_OFFLINE=1 nice -n 10 .venv/bin/python bench/premise_check.py chain_sum \
         --questions 200 --out bench/results/premise_check.jsonl
@@ -196,6 +197,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from exgrpo.data import PromptEncoder, load_questions
     from exgrpo.evaluation.sampling import sample_completions
+    from exgrpo.experience.selection import SELECTION_METRICS
     from exgrpo.learner.forward import candidate_scores, token_logprobs
     from exgrpo.models import load_policy
     from exgrpo.rewards import MathReward, score_completions
@@ -239,7 +241,8 @@ def main() -> None:
     candidates = [(prompt_ids[requests[j][0]], completions[requests[j]][0]) for j in correct]
     with torch.no_grad():
         entropy = candidate_scores(lambda b, e: token_logprobs(model, b, 1.0, with_entropy=e), candidates,
-                                   "entropy", tokenizer.pad_token_id, batch_size=32) if candidates else []
+                                   SELECTION_METRICS["entropy"], tokenizer.pad_token_id,
+                                   batch_size=32) if candidates else []
     scored = time.perf_counter()
 
     classes = {j: classify(texts[j]) for j in correct}

@@ -20,6 +20,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from exgrpo.config import load_config  # noqa: E402
+from exgrpo.experience.buffer import read_state  # noqa: E402
 from exgrpo.evaluation.heldout import evaluate_accuracy  # noqa: E402
 from exgrpo.rollout import SamplingSettings  # noqa: E402
 from exgrpo.runtime.checkpoint import latest_intact_checkpoint, load_checkpoint, read_trainer_json  # noqa: E402
@@ -53,7 +54,7 @@ def retention(run_dir: Path) -> dict:
     run = build_run(config, log=lambda _: None)  # the questions, the model and the grader; nothing is written
     try:
         trainer = run.trainer
-        trainer.load_state_dict(load_checkpoint(checkpoint, trainer.model))
+        trainer.load_state_dict(load_checkpoint(checkpoint, trainer.model, read_state))
         trainer.source.push(trainer.learner.weights_version)
         questions = [q for qid, q in trainer.experience.question_pool.questions.items()
                      if qid in trainer.experience.solved]

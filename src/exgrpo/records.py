@@ -1,5 +1,5 @@
-"""The records that cross roles: a step's groups (one question, its prompt, K members), their rewards, and the
-two phases of a run."""
+"""The records that cross roles: a step's groups (one question, its prompt, K members), their rewards, a stored
+trajectory, and the two phases of a run."""
 
 from __future__ import annotations
 
@@ -9,9 +9,21 @@ from typing import Sequence
 import numpy as np
 
 from exgrpo.data.questions import Question
-from exgrpo.experience.buffer import Trajectory
 
 WARMUP, MIXED = "warmup", "mixed"  # plain GRPO before the delayed start; experience replay after it
+
+
+@dataclass
+class Trajectory:
+    """One stored trajectory: response token ids, their behaviour log-probs, the step it was collected at, the
+    weights version (applied optimizer steps) those log-probs are of (the one that sampled it, in sync mode), and
+    how often it was trained on as a replay before."""
+
+    token_ids: np.ndarray  # (T,) int32
+    logprobs: np.ndarray  # (T,) float32
+    step: int
+    version: int = -1  # -1: not recorded
+    uses: int = 0
 
 
 @dataclass
@@ -68,3 +80,20 @@ class GroupRewards:
 def own_members(groups: Sequence[Group]) -> np.ndarray:
     """(G, K) True for the policy's own members (rollouts and replays), False for demonstrations."""
     return np.array([[not m.demonstration for m in g.members] for g in groups], dtype=bool).reshape(len(groups), -1)
+
+
+@dataclass
+class PlannedStep:
+    """A step's groups before their rollouts: experiential groups hold their replay as member 0, guided groups
+    their demonstrations. `version`: the weights version (applied optimizer steps) the rollouts are sampled
+    from; `rng`: the step's random stream, which refill rounds continue."""
+
+    step: int
+    phase: str
+    groups: list[Group]
+    version: int
+    rng: np.random.Generator | None = None
+
+    @property
+    def question_ids(self) -> set[str]:
+        return {g.question.id for g in self.groups}

@@ -62,6 +62,23 @@ def test_overrides_in_both_spellings():
     assert load_config(None, ["experience.rbound=null"]).experience.rbound is None
 
 
+def test_a_renamed_field_is_read_under_its_new_name_and_said_once(tmp_path, capsys):
+    from exgrpo.config import config_changes, config_from_dict
+
+    config = load_config("tiny", ["rollout.sync_timeout=30"])  # an override
+    assert config.rollout.push_timeout == 30.0
+    (tmp_path / "old.yaml").write_text("model: {name: tiny}\nrollout: {sync_timeout: 40}\n")
+    assert load_config(tmp_path / "old.yaml").rollout.push_timeout == 40.0  # a file
+    stored = config.to_dict()
+    stored["rollout"]["sync_timeout"] = stored["rollout"].pop("push_timeout")  # a run config saved before
+    assert load_config(base=stored).rollout.push_timeout == 30.0  # as `exgrpo train --resume` reads it
+    assert config_changes(stored, config.to_dict()) == ([], [])  # resuming it changes nothing
+    said = capsys.readouterr().err.splitlines()
+    assert said == ["exgrpo: rollout.sync_timeout is now called rollout.push_timeout: read as that"] * 4
+    with pytest.raises(ConfigError, match="rollout.sync_timeout and rollout.push_timeout are both set"):
+        config_from_dict({"rollout": {"sync_timeout": 1, "push_timeout": 2}})
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["experience.ratoi=0.2"], "unknown config field 'experience.ratoi'; allowed fields of experience: ["),
     (["trainer.steps=3"], "unknown config field 'trainer'; allowed fields: ["),

@@ -7,7 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from exgrpo.experience import (
-    ExperienceBuffer, bucket_probabilities, num_experiential, sample_questions, select_index, trajectory_scores,
+    SELECTION_METRICS, SELECTION_MODES, ExperienceBuffer, bucket_probabilities, num_experiential, sample_questions,
+    select_replays,
 )
 
 K = 8
@@ -46,11 +47,10 @@ def test_other_schemes(scheme, weights):
     assert bucket_probabilities([1, 4, 6], 8, scheme) == pytest.approx({k: w / total for k, w in weights.items()})
 
 
-def test_scheme_errors_name_the_choice():
-    with pytest.raises(ValueError, match="unknown bucket scheme 'gauss'"):
-        bucket_probabilities([1], 8, "gauss")
-    with pytest.raises(ValueError, match="uniform"):
-        bucket_probabilities([1], 8, "uniform")
+def test_uniform_and_unknown_schemes_have_no_bucket_probabilities():
+    for scheme in ("gauss", "uniform"):  # uniform is over questions, not buckets
+        with pytest.raises(KeyError, match=scheme):
+            bucket_probabilities([1], 8, scheme)
 
 
 def test_num_experiential():
@@ -108,21 +108,26 @@ def test_selection_uses_mean_entropy_even_when_longer():
     # candidate 0: 2 tokens of entropy 1.0 (sum 2.0, mean 1.0); candidate 1: 6 tokens of 0.5 (sum 3.0, mean 0.5)
     values = torch.tensor([[1.0, 1.0, 0, 0, 0, 0], [0.5] * 6])
     mask = torch.tensor([[1, 1, 0, 0, 0, 0], [1] * 6])
-    rng = np.random.default_rng(0)
-    assert select_index(trajectory_scores(values, mask, "entropy"), 2, "entropy", "argmin", rng) == 1
+    argmin, argmax = SELECTION_MODES["argmin"], SELECTION_MODES["argmax"]
+    assert argmin(SELECTION_METRICS["entropy"](values, mask)) == 1
     # the released bug ranks by the sum and would pick the short one
-    assert select_index(trajectory_scores(values, mask, "entropy_sum"), 2, "entropy_sum", "argmin", rng) == 0
-    assert select_index(trajectory_scores(values, mask, "entropy"), 2, "entropy", "argmax", rng) == 0
+    assert argmin(SELECTION_METRICS["entropy_sum"](values, mask)) == 0
+    assert argmax(SELECTION_METRICS["entropy"](values, mask)) == 0
 
 
 def test_selection_perplexity_and_random():
     logps = torch.tensor([[-0.1, -0.1], [-2.0, -2.0]])
     mask = torch.ones(2, 2)
-    scores = trajectory_scores(logps, mask, "perplexity")
+    scores = SELECTION_METRICS["perplexity"](logps, mask)
     assert scores == pytest.approx(torch.exp(torch.tensor([0.1, 2.0])))
     rng = np.random.default_rng(0)
-    picks = {select_index(None, 3, "random", "argmin", rng) for _ in range(100)}
-    assert picks == {0, 1, 2}
+
+    def never_scored(pairs, metric):
+        raise AssertionError("the random metric scores nothing")
+
+    picks = {select_replays([("q", ["a", "b", "c"])], SELECTION_METRICS["random"], SELECTION_MODES["argmin"], rng,
+                            score=never_scored)[0] for _ in range(100)}
+    assert picks == {"a", "b", "c"}
 
 
 # ---------------------------------------------------------------- buffer behaviour

@@ -11,7 +11,8 @@ from exgrpo.config import config_from_dict
 from exgrpo.data import PromptEncoder
 from exgrpo.runtime.distributed import Distributed
 from exgrpo.learner.objective import LossSettings, mixed_policy_loss
-from exgrpo.learner.forward import pack, token_logprobs
+from exgrpo.learner.forward import token_logprobs
+from exgrpo.tensors import pack
 from exgrpo.rollout import HFEngine, SamplingSettings
 from exgrpo.runtime.timing import StageTimer
 from exgrpo.training.trainer import ExGRPOTrainer
@@ -67,7 +68,7 @@ def test_one_process_trains_its_model_as_it_is_whatever_the_sharding(tiny_policy
     model, _ = tiny_policy
     learner = Learner(model, config_from_dict({"train": {"sharding": sharding}}).train, group_size=4,
                       temperature=1.0, dist=Distributed())
-    assert learner.train_model is model and not learner.sharded and learner.parallel.loss_multiplier == 1
+    assert learner.train_model is model and learner.replica is model and learner.parallel.loss_multiplier == 1
     assert learner.parallel.backward_passes(0) == 0  # no padding pass: there are no collectives to join
 
 

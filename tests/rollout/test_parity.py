@@ -1,6 +1,7 @@
 """The parity probe's thresholds per precision pair and the engine correction rule, on every shipped config."""
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -32,7 +33,8 @@ def test_auto_corrects_every_engine_other_than_the_trainers_own_forward(path):
 ])
 def test_the_threshold_is_the_precision_pairs_unless_set(overrides, threshold):
     config = load_config(ROOT / "configs" / "demo.yaml", ["rollout.engine=vllm", *overrides])
-    assert ParityProbe.from_config(config).threshold == threshold
+    assert ParityProbe.from_config(config, SimpleNamespace(reports_logprobs=True)).threshold == threshold
+    assert ParityProbe.from_config(config, SimpleNamespace(reports_logprobs=False)).every == 0  # nothing to compare
 
 
 def test_the_probe_reports_and_stops_past_its_threshold():

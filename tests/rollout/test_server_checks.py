@@ -12,7 +12,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from exgrpo.rollout.servers import EngineError, ServerPool, server_refusal  # noqa: E402
+from exgrpo.rollout.servers import EngineError, ServerPool, model_refusal, server_refusal  # noqa: E402
+from exgrpo.rollout.weight_transfer import model_signature  # noqa: E402
 
 PAGE = "<!DOCTYPE html><html><head><title>Not Found</title></head><body>" + "<p>nothing here</p>" * 200 + "</body>"
 
@@ -83,3 +84,24 @@ def test_a_server_serving_shorter_sequences_than_the_run_needs_is_refused():
     refusal = server_refusal(_served(128), "exgrpo_gloo", "float32", max_model_len=256)
     assert refusal == ("serves sequences of at most 128 tokens (its max_model_len), fewer than the run's "
                        "rollout.max_model_len 256: start it with `exgrpo serve` and the run's config")
+
+
+def test_a_server_of_another_model_is_refused_before_any_push():
+    from exgrpo.models import load_policy
+
+    tiny = model_signature(load_policy("tiny")[0].config)
+    assert model_refusal(tiny, tiny) is None
+    other = {**tiny, "vocab_size": tiny["vocab_size"] + 1, "architectures": ["GemmaForCausalLM"]}
+    refusal = model_refusal(other, tiny)
+    assert refusal.startswith("serves another model than the learner's (architectures ['GemmaForCausalLM'], not "
+                              "['LlamaForCausalLM']; vocab_size ") and "start it with `exgrpo serve`" in refusal
+
+
+
+def test_a_vllm_release_other_than_the_tested_one_is_refused_when_an_engine_is_built(monkeypatch):
+    import exgrpo.rollout
+
+    exgrpo.rollout.require_engine("servers")  # the installed one is the tested one
+    monkeypatch.setattr(exgrpo.rollout, "SUPPORTED_VLLM", (0, 99))
+    with pytest.raises(EngineError, match=r"rollout.engine servers needs vLLM 0\.99\.x; vllm(-cpu)? 0\.32\.\d+ is "):
+        exgrpo.rollout.require_engine("servers")

@@ -26,7 +26,8 @@ from test_vllm import (ENV, ROOT, SAMPLING, _command, _metrics, _parity, _pertur
 
 from exgrpo.models import load_policy  # noqa: E402
 from exgrpo.rollout.serve import SCRATCH_PREFIX  # noqa: E402
-from exgrpo.rollout.servers import EngineError, ServerEngine, server_refusal  # noqa: E402
+from exgrpo.rollout.servers import (PUSH_IN_PROGRESS, EngineError, ServerEngine, ServerPool,  # noqa: E402
+                                    server_refusal)
 from exgrpo.runtime.scratch import remove_orphans  # noqa: E402
 
 pytestmark = pytest.mark.heavy  # two servers take ~90 s to start on 2 cores: CI runs these after `make test`
@@ -159,6 +160,20 @@ def test_a_server_that_cannot_serve_the_run_is_refused_with_the_reason(servers):
     with pytest.raises(EngineError, match=f"the vLLM server {urls[0]} computes in float32, the run expects bfloat16"):
         ServerEngine(model, tok, urls, backend="exgrpo_gloo", dtype="bfloat16", transfer_address="127.0.0.1",
                      transfer_port=0)
+    # another model is refused before any push, so the servers stay usable (a push of it used to break them)
+    with pytest.raises(EngineError, match=f"the vLLM server {urls[0]} serves another model than the learner's"):
+        ServerEngine(model, tok, urls, backend="exgrpo_gloo", dtype="float32", transfer_address="127.0.0.1",
+                     transfer_port=0)
+    # a server a push left half loaded (its label says so until a push completes) is refused, saying to restart it
+    pool = ServerPool(urls[1:], timeout=30)
+    try:
+        pool.label(PUSH_IN_PROGRESS)
+        with pytest.raises(EngineError, match=f"the vLLM server {urls[1]} holds half-loaded weights: .* restart it"):
+            ServerEngine(*load_policy("smollm2-135m-instruct"), urls, backend="exgrpo_gloo", dtype="float32",
+                         transfer_address="127.0.0.1", transfer_port=0)
+    finally:
+        pool.label("0")  # the label alone was set: its weights are whole
+        pool.close()
     with pytest.raises(EngineError, match="the vLLM server http://127.0.0.1:9 did not answer /get_world_size"):
         ServerEngine(model, tok, ["http://127.0.0.1:9"], backend="exgrpo_gloo", dtype="float32",
                      transfer_address="127.0.0.1", transfer_port=0)
@@ -231,7 +246,9 @@ def test_a_killed_server_stops_the_run_clearly_with_its_checkpoint_intact(tmp_pa
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode == 2, stderr[-3000:]
-    assert f"the vLLM server {urls[1]} did not answer" in stderr, stderr[-3000:]
+    # killed while the learner waited on a generation, or during a push (then named as the server that died)
+    assert f"the vLLM server {urls[1]} did not answer" in stderr \
+        or f"the vLLM server {urls[1]} stopped answering" in stderr, stderr[-3000:]
     deadline = time.monotonic() + 30
     while any(alive(pid) for pid in engine) and time.monotonic() < deadline:
         time.sleep(0.5)

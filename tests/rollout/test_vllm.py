@@ -21,7 +21,8 @@ pytest.importorskip("vllm")
 from exgrpo.config import LoraConfig  # noqa: E402
 from exgrpo.data import PromptEncoder, Question  # noqa: E402
 from exgrpo.models import load_policy  # noqa: E402
-from exgrpo.learner.forward import pack, token_logprobs  # noqa: E402
+from exgrpo.learner.forward import token_logprobs  # noqa: E402
+from exgrpo.tensors import pack  # noqa: E402
 from exgrpo.rollout import SamplingSettings  # noqa: E402
 from exgrpo.rollout.vllm import EngineError, VLLMEngine  # noqa: E402
 

@@ -16,7 +16,8 @@ import torch
 
 from exgrpo.config import ConfigError, config_from_dict
 from exgrpo.errors import EngineError
-from exgrpo.learner.forward import pack, token_logprobs
+from exgrpo.learner.forward import token_logprobs
+from exgrpo.tensors import pack
 from exgrpo.models import load_policy
 from exgrpo.records import MIXED, WARMUP
 from exgrpo.rollout import HFEngine, Rollouts

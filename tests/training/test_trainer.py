@@ -233,7 +233,8 @@ def test_same_seed_same_run_bit_for_bit():
 
 def test_shared_prompt_forward_matches_the_full_forward():
     """Rows sharing a prompt run it once; log-probs, entropies and gradients equal a full forward per row."""
-    from exgrpo.learner.forward import pack, token_logprobs
+    from exgrpo.learner.forward import token_logprobs
+    from exgrpo.tensors import pack
 
     trainer = _trainer(_config())
     prompts = [trainer.prompt_ids(q) for q in _questions(12)[::5]]  # "q 10" is longer: left padding differs
@@ -262,7 +263,8 @@ def test_one_mixed_step_against_hand_computed_advantages_and_loss(tiny_policy, s
     below the current policy's (so w = 3 on each of its tokens), plus one fresh rollout "zz<eos>"; q1 gets two fresh
     rollouts, "zzz<eos>" and "aaaa" (truncated). The reward is 1 for a completion starting with "a"."""
     from exgrpo.data import PromptEncoder
-    from exgrpo.learner.forward import pack, token_logprobs
+    from exgrpo.learner.forward import token_logprobs
+    from exgrpo.tensors import pack
 
     model, tok = tiny_policy
     eos = tok.eos_token_id

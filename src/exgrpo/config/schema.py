@@ -12,6 +12,16 @@ from typing import Literal
 
 from exgrpo.config.rules import validate
 
+# The string-chosen variants. The code that implements one keeps a registry keyed by exactly these values
+# (tests/config/test_variants.py checks it): adding a variant is one value here and one entry there.
+ZeroVariance = Literal["keep", "backfill", "replace_from_buffer"]
+ScaleRewards = Literal["none", "group"]
+Aggregation = Literal["sum_constant", "token_mean", "seq_mean_token_mean"]
+BucketScheme = Literal["normal", "linear", "sqrt", "linear_clip", "uniform"]
+SelectionMetric = Literal["entropy", "entropy_sum", "perplexity", "random"]
+SelectionMode = Literal["argmin", "argmax"]
+
+
 @dataclass
 class LoraConfig:
     r: int = 32
@@ -127,7 +137,7 @@ class RolloutConfig:
     """0 disables top-k."""
     generation_batch_size: int = 256
     """Sequences per generate call (memory bound); servers: requests in flight per server."""
-    zero_variance: Literal["keep", "backfill", "replace_from_buffer"] = "keep"
+    zero_variance: ZeroVariance = "keep"
     """Groups whose K rewards are all equal (no gradient): keep them with A = 0 (released); backfill: drop them and
     roll out further fresh questions until B informative groups or max_generation_rounds (DAPO's dynamic
     sampling); replace_from_buffer: in the mixed phase refill their slots with experiential questions (fresh
@@ -169,7 +179,7 @@ class RewardConfig:
 
 @dataclass
 class ObjectiveConfig:
-    scale_rewards: Literal["none", "group"] = "none"
+    scale_rewards: ScaleRewards = "none"
     """Advantages: none = R - group mean (released); group = (R - mean) / (group std + 1e-4)."""
     epsilon_low: float = 0.2
     """PPO clip below: fresh tokens' ratio is clipped at 1 - epsilon_low while clipping is on."""
@@ -181,7 +191,7 @@ class ObjectiveConfig:
     """Policy-shaping constant of f(w) = w / (w + beta) for replayed tokens."""
     policy_shaping: bool = True
     """False replays with the plain importance ratio w (ablation)."""
-    aggregation: Literal["sum_constant", "token_mean", "seq_mean_token_mean"] = "sum_constant"
+    aggregation: Aggregation = "sum_constant"
     """Token losses to a scalar: sum / normalizer (released), mean over the mini-batch's tokens, or mean over
     sequences of per-sequence token means."""
     normalizer: float | None = None
@@ -220,17 +230,17 @@ class ExperienceConfig:
     and the buffer at once, the fresh-question pool at the next epoch boundary and only while the pool then holds
     more than train.prompts_per_step + 20 questions; immediate: both at once (exgrpo before 2026-12-03); none:
     nothing (the paper's on-policy baseline retires nothing)."""
-    bucket_scheme: Literal["normal", "linear", "sqrt", "linear_clip", "uniform"] = "normal"
+    bucket_scheme: BucketScheme = "normal"
     """Per-bucket weights over success counts k: normal (a Gaussian), linear k/K, sqrt, linear_clip, or uniform
     over questions (no buckets)."""
     bucket_sigma: float = 1.0
     """Standard deviation of the normal scheme, in success counts (released: 1)."""
     bucket_mean: float | None = None
     """Centre of the normal scheme in success counts; null means K/2."""
-    selection_metric: Literal["entropy", "entropy_sum", "perplexity", "random"] = "entropy"
+    selection_metric: SelectionMetric = "entropy"
     """What ranks a question's stored trajectories: mean token entropy under the current policy, its sum (the
     released ranking, spec §9.1), perplexity, or a uniform draw."""
-    selection_mode: Literal["argmin", "argmax"] = "argmin"
+    selection_mode: SelectionMode = "argmin"
     """Replay the lowest- or highest-scoring trajectory."""
     importance_correction: bool = True
     """Replay ratio against the recorded behaviour log-probs (released exp_is_correct)."""

@@ -9,7 +9,7 @@ Collection rule (spec §2): a group of K rollouts with k correct is collected if
 (default 0 < k <= K-1): the question moves to bucket k and its unseen correct trajectories are appended.
 A 0/K group changes nothing, as in the released code: the question keeps its stale bucket and trajectories.
 Retirement (entries dropped, never sampled or collected again) is the caller's one decision, `retire`: ExGRPO's
-experience side retires a question whose own members were all correct (`exgrpo.training.experience`).
+experience side retires a question whose own members were all correct (`exgrpo.training.experience_side`).
 """
 
 from __future__ import annotations
@@ -21,22 +21,10 @@ from typing import Sequence
 
 import numpy as np
 
+from exgrpo.records import Trajectory
 from exgrpo.runtime.atomic import replaced_on_success
 
 _FORMAT_VERSION = 2  # 2: per-trajectory policy version and replay count
-
-
-@dataclass
-class Trajectory:
-    """One stored trajectory: response token ids, their behaviour log-probs, the step it was collected at, the
-    weights version (applied optimizer steps) those log-probs are of (the one that sampled it, in sync mode), and
-    how often it was trained on as a replay before."""
-
-    token_ids: np.ndarray  # (T,) int32
-    logprobs: np.ndarray  # (T,) float32
-    step: int
-    version: int = -1  # -1: not recorded
-    uses: int = 0
 
 
 @dataclass(slots=True)  # one per question: slots keep the per-question overhead small

@@ -9,42 +9,43 @@ uniformly without replacement, so a batch never holds a question twice.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-SCHEMES = ("normal", "linear", "sqrt", "linear_clip", "uniform")
+from exgrpo.config.schema import BucketScheme
+
+
+def _normal(ks: list[int], K: int, mu: float, sigma: float) -> list[float]:
+    if sigma <= 0:
+        raise ValueError(f"sigma must be > 0, got {sigma}")
+    return [math.exp(-((k - mu) ** 2) / (2 * sigma**2)) for k in ks]
+
+
+#: The per-bucket weights of the bucket schemes, (buckets k, K, mu, sigma) -> one weight per k: normal
+#: exp(-(k-mu)^2 / (2 sigma^2)); linear k/K; sqrt sqrt(k/K); linear_clip k/K for k <= K/2, else 0.5.
+BUCKET_WEIGHTS: dict[BucketScheme, Callable[[list[int], int, float, float], list[float]]] = {
+    "normal": _normal,
+    "linear": lambda ks, K, mu, sigma: [k / K for k in ks],
+    "sqrt": lambda ks, K, mu, sigma: [math.sqrt(k / K) for k in ks],
+    "linear_clip": lambda ks, K, mu, sigma: [k / K if k <= K / 2 else 0.5 for k in ks],
+}
 
 
 def bucket_probabilities(
-    buckets: Iterable[int], num_generations: int = 8, scheme: str = "normal", sigma: float = 1.0,
+    buckets: Iterable[int], num_generations: int = 8, scheme: BucketScheme = "normal", sigma: float = 1.0,
     mean: float | None = None,
 ) -> dict[int, float]:
-    """Probability of each given non-empty bucket k (a success count in 1..K-1).
-
-    normal: exp(-(k-mu)^2 / (2 sigma^2)) with mu = K/2 by default; linear: k/K; sqrt: sqrt(k/K);
-    linear_clip: k/K for k <= K/2, else 0.5. ("uniform" is over questions, not buckets: see sample_questions.)
-    """
+    """Probability of each given non-empty bucket k (a success count in 1..K-1) under a scheme of `BUCKET_WEIGHTS`,
+    with mu = K/2 unless `mean` is given. ("uniform" is over questions, not buckets: see `QUESTION_DRAWS`.)"""
+    weigh = BUCKET_WEIGHTS[scheme]
     ks = sorted(set(int(k) for k in buckets))
     if not ks:
         return {}
     K = num_generations
-    mu = K / 2 if mean is None else mean
-    if scheme == "normal":
-        if sigma <= 0:
-            raise ValueError(f"sigma must be > 0, got {sigma}")
-        weights = [math.exp(-((k - mu) ** 2) / (2 * sigma**2)) for k in ks]
-    elif scheme == "linear":
-        weights = [k / K for k in ks]
-    elif scheme == "sqrt":
-        weights = [math.sqrt(k / K) for k in ks]
-    elif scheme == "linear_clip":
-        weights = [k / K if k <= K / 2 else 0.5 for k in ks]
-    elif scheme == "uniform":
-        raise ValueError("scheme 'uniform' draws questions uniformly and has no per-bucket probabilities")
-    else:
-        raise ValueError(f"unknown bucket scheme {scheme!r}; expected one of {SCHEMES}")
+    weights = weigh(ks, K, K / 2 if mean is None else mean, sigma)
     total = sum(weights)
     if total <= 0:
         raise ValueError(f"bucket weights for buckets {ks} under scheme {scheme!r} sum to zero")
@@ -81,18 +82,9 @@ def bucket_counts(
     return counts
 
 
-def sample_questions(
-    buckets: Mapping[int, Sequence[str]], n: int, rng: np.random.Generator,
-    num_generations: int = 8, scheme: str = "normal", sigma: float = 1.0, mean: float | None = None,
-) -> list[str]:
-    """Draw min(n, available) distinct question ids from the non-empty buckets (k -> ids)."""
-    buckets = {k: ids for k, ids in buckets.items() if len(ids)}
-    n = min(n, sum(len(ids) for ids in buckets.values()))
-    if n <= 0:
-        return []
-    if scheme == "uniform":
-        pool = [qid for k in sorted(buckets) for qid in buckets[k]]
-        return [pool[i] for i in _sample_without_replacement(len(pool), n, rng)]
+def _draw_by_buckets(scheme: str, buckets: Mapping[int, Sequence[str]], n: int, rng: np.random.Generator,
+                     num_generations: int, sigma: float, mean: float | None) -> list[str]:
+    """Per-bucket counts by the scheme's bucket probabilities, then uniformly inside each bucket."""
     probabilities = bucket_probabilities(buckets, num_generations, scheme, sigma, mean)
     counts = bucket_counts({k: len(ids) for k, ids in buckets.items()}, probabilities, n, rng)
     chosen: list[str] = []
@@ -101,6 +93,33 @@ def sample_questions(
             ids = buckets[k]
             chosen.extend(ids[i] for i in _sample_without_replacement(len(ids), counts[k], rng))
     return chosen
+
+
+def _draw_uniformly(buckets: Mapping[int, Sequence[str]], n: int, rng: np.random.Generator,
+                    num_generations: int, sigma: float, mean: float | None) -> list[str]:
+    """Uniformly over the questions, whatever their bucket."""
+    pool = [qid for k in sorted(buckets) for qid in buckets[k]]
+    return [pool[i] for i in _sample_without_replacement(len(pool), n, rng)]
+
+
+#: experience.bucket_scheme: (non-empty buckets, n <= their questions, rng, K, sigma, mean) -> n distinct ids
+QUESTION_DRAWS: dict[BucketScheme, Callable[..., list[str]]] = {
+    **{scheme: functools.partial(_draw_by_buckets, scheme) for scheme in BUCKET_WEIGHTS},
+    "uniform": _draw_uniformly,
+}
+
+
+def sample_questions(
+    buckets: Mapping[int, Sequence[str]], n: int, rng: np.random.Generator,
+    num_generations: int = 8, scheme: BucketScheme = "normal", sigma: float = 1.0, mean: float | None = None,
+) -> list[str]:
+    """Draw min(n, available) distinct question ids from the non-empty buckets (k -> ids) by `scheme`."""
+    draw = QUESTION_DRAWS[scheme]
+    buckets = {k: ids for k, ids in buckets.items() if len(ids)}
+    n = min(n, sum(len(ids) for ids in buckets.values()))
+    if n <= 0:
+        return []
+    return draw(buckets, n, rng, num_generations, sigma, mean)
 
 
 def _sample_without_replacement(population: int, n: int, rng: np.random.Generator) -> list[int]:

@@ -1,47 +1,31 @@
 """Which stored trajectory of a question is replayed (spec §3, §9.1).
 
-The trainer scores every stored candidate with the current policy (a batched no-grad forward pass) and hands
-the per-token values here. The default is the lowest *mean* token entropy. The released code effectively ranks by
-a sum of entropies (a masking bug, spec §9.1); "entropy_sum" reproduces that ranking for ablations.
+The trainer scores every stored candidate with the current policy (a batched no-grad forward pass) as the
+selection metric says, and the mode picks among a question's scores. The default is the lowest *mean* token
+entropy. The released code effectively ranks by a sum of entropies (a masking bug, spec §9.1); "entropy_sum"
+reproduces that ranking for ablations.
 """
 
 from __future__ import annotations
 
-import numpy as np
+from typing import Callable
+
 import torch
 
-METRICS = ("entropy", "entropy_sum", "perplexity", "random")
-MODES = ("argmin", "argmax")
+from exgrpo.config.schema import SelectionMetric, SelectionMode
+from exgrpo.tensors import TrajectoryScore
 
+#: experience.selection_metric: how each candidate is scored under the current policy; None: a uniform draw,
+#: nothing scored
+SELECTION_METRICS: dict[SelectionMetric, TrajectoryScore | None] = {
+    "entropy": TrajectoryScore(uses_entropy=True, reduce=lambda total, count: total / count),  # mean entropy
+    "entropy_sum": TrajectoryScore(uses_entropy=True, reduce=lambda total, count: total),  # the released ranking
+    "perplexity": TrajectoryScore(uses_entropy=False, reduce=lambda total, count: torch.exp(-total / count)),
+    "random": None,
+}
 
-def trajectory_scores(values: torch.Tensor, mask: torch.Tensor, metric: str = "entropy") -> torch.Tensor:
-    """Score candidates from per-token values.
-
-    Args:
-        values: (N, T) per-token entropies (metrics "entropy", "entropy_sum") or log-probs ("perplexity").
-        mask: (N, T) 1 for the candidate's response tokens.
-        metric: "entropy" (mean), "entropy_sum" (released variant) or "perplexity" (exp(-mean log-prob)).
-    Returns:
-        (N,) scores.
-    """
-    mask = mask.to(values.dtype)
-    total = (values * mask).sum(-1)
-    count = mask.sum(-1).clamp(min=1)
-    if metric == "entropy":
-        return total / count
-    if metric == "entropy_sum":
-        return total
-    if metric == "perplexity":
-        return torch.exp(-total / count)
-    raise ValueError(f"unknown selection metric {metric!r}; expected one of {METRICS}")
-
-
-def select_index(scores: torch.Tensor | None, num_candidates: int, metric: str, mode: str,
-                 rng: np.random.Generator) -> int:
-    """Index of the candidate to replay: argmin/argmax of scores, or uniform for metric "random"."""
-    if metric == "random":
-        return int(rng.integers(num_candidates))
-    if mode not in MODES:
-        raise ValueError(f"unknown selection mode {mode!r}; expected one of {MODES}")
-    assert scores is not None and len(scores) == num_candidates
-    return int(torch.argmin(scores) if mode == "argmin" else torch.argmax(scores))
+#: experience.selection_mode: a question's (n,) candidate scores -> the index of the one replayed
+SELECTION_MODES: dict[SelectionMode, Callable[[torch.Tensor], torch.Tensor]] = {
+    "argmin": torch.argmin,
+    "argmax": torch.argmax,
+}

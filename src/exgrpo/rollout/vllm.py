@@ -286,7 +286,8 @@ def watch_for_engine_death(llm) -> None:
     The one place that reads vLLM's private client state: 0.32's synchronous `LLM` has no public signal that its
     engine process died (AsyncLLM has `errored` and `check_health`; LLM and LLMEngine have neither), so the watcher
     reads the client's `resources.engine_dead` and `_finalizer` and fails its `outputs_queue` and
-    `utility_results`. `exgrpo.rollout.SUPPORTED_VLLM` pins the version; the killed-engine test exercises every attribute."""
+    `utility_results`. `exgrpo.rollout.SUPPORTED_VLLM` pins the version; the killed-engine test exercises every
+    attribute."""
     from vllm.v1.engine.exceptions import EngineDeadError
 
     core = llm.llm_engine.engine_core

@@ -4,7 +4,8 @@ A checkpoint is a directory `checkpoints/step-NNNNNN/` holding:
 * `model/`: `save_pretrained` output (full weights, or the adapter for LoRA) with the tokenizer and its chat
   template, loadable by `exgrpo eval --model`, plain transformers and (full weights) vLLM;
 * `optimizer.pt`: the trainer state's `optimizer` part (optimizer, scheduler) and the torch RNG state;
-* `buffer.safetensors`: the experience buffer (arrays + JSON metadata);
+* `buffer.safetensors`: the experience buffer (arrays + JSON metadata), written and read by the functions the
+  caller hands in (as it hands in the model writer), so this module knows nothing of the buffer;
 * `trainer.json`: the trainer state's `trainer` part (step, phase, question-pool cursor, counters, resolved
   config) and the Python and NumPy RNG states;
 * `manifest.json`: the size and SHA-256 of every other file. Written last: its presence marks a whole checkpoint,
@@ -30,7 +31,6 @@ import torch
 
 from exgrpo.runtime.atomic import fsync_tree
 from exgrpo.errors import CheckpointError, ExgrpoWarning, RunDirectoryError, os_cause
-from exgrpo.experience.buffer import read_state, write_state
 from exgrpo.runtime.rundir import CHECKPOINT_SCRATCH, remove_checkpoint_scratch
 from exgrpo.runtime.sharding import is_sharded, load_full_model_state
 
@@ -107,10 +107,11 @@ def latest_intact_checkpoint(run_dir: str | Path) -> Path | None:
     return None
 
 
-def save_checkpoint(run_dir: str | Path, step: int, write_model: Callable[[Path], None], state: dict,
-                    keep: int = 2) -> Path:
-    """Write the model (`write_model(directory)`, e.g. `save_pretrained`) and a trainer `state`
-    (`ExGRPOTrainer.state_dict()`) as the checkpoint of `step`; keep the newest `keep` checkpoints. A failed
+def save_checkpoint(run_dir: str | Path, step: int, write_model: Callable[[Path], None],
+                    write_buffer: Callable[[Path], None], state: dict, keep: int = 2) -> Path:
+    """Write the model (`write_model(directory)`, e.g. `save_pretrained`), the experience buffer
+    (`write_buffer(path)`) and the "trainer" and "optimizer" parts of a trainer `state` (`ExGRPOTrainer.state_dict()`)
+    as the checkpoint of `step`; keep the newest `keep` checkpoints. A failed
     write (full disk, no permission) is a RunDirectoryError naming the path; the previous checkpoints are
     untouched by it."""
     root = Path(run_dir) / "checkpoints"
@@ -123,7 +124,7 @@ def save_checkpoint(run_dir: str | Path, step: int, write_model: Callable[[Path]
         write_model(tmp / "model")
         with open(tmp / "optimizer.pt", "wb") as f:  # a Python file: a full disk surfaces as its OSError
             torch.save({**state["optimizer"], "torch_rng": torch.get_rng_state()}, f)
-        write_state(state["buffer"], tmp / "buffer.safetensors")
+        write_buffer(tmp / "buffer.safetensors")
         np_state = np.random.get_state()
         rng = {"python_rng": _jsonable(random.getstate()),
                "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
@@ -173,10 +174,10 @@ def read_trainer_json(directory: str | Path) -> dict:
     return json.loads((Path(directory) / "trainer.json").read_text())
 
 
-def load_checkpoint(directory: str | Path, model, verified: bool = False) -> dict:
+def load_checkpoint(directory: str | Path, model, read_buffer: Callable[[Path], dict], verified: bool = False) -> dict:
     """Verify checkpoint `directory` (unless `verified`: the caller just did, with `latest_intact_checkpoint`),
     load its weights into `model`, restore the global RNGs, and return the trainer state to pass to
-    `ExGRPOTrainer.load_state_dict`."""
+    `ExGRPOTrainer.load_state_dict` (its "buffer" part read by `read_buffer(path)`)."""
     directory = Path(directory)
     unverifiable = verified or not (directory / _MANIFEST).is_file()  # no manifest: resumed unverified
     problem = None if unverifiable else verify_checkpoint(directory)
@@ -189,7 +190,7 @@ def load_checkpoint(directory: str | Path, model, verified: bool = False) -> dic
     random.setstate(_tupled(trainer.pop("python_rng")))
     kind, keys, *rest = trainer.pop("numpy_rng")
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
-    return {"trainer": trainer, "optimizer": optimizer, "buffer": read_state(directory / "buffer.safetensors")}
+    return {"trainer": trainer, "optimizer": optimizer, "buffer": read_buffer(directory / "buffer.safetensors")}
 
 
 def _load_weights(model, directory: Path) -> None:

@@ -15,19 +15,18 @@ from typing import Callable, ContextManager, Protocol, Sequence
 import numpy as np
 
 from exgrpo.config import ExGRPOConfig
+from exgrpo.config.schema import ZeroVariance
 from exgrpo.errors import EngineError
-from exgrpo.records import Group, GroupRewards, Member, own_members
+from exgrpo.records import Group, GroupRewards, Member, PlannedStep, own_members
 from exgrpo.rewards.scorer import GroupScorer
 from exgrpo.rollout import RolloutEngine, Rollouts, SamplingSettings, derive_seed
 from exgrpo.rollout.worker import Sampled
 from exgrpo.runtime.distributed import Distributed
 from exgrpo.runtime.timing import StageTimer
 
-from exgrpo.training.experience import PlannedStep
-
 
 class GroupSupply(Protocol):
-    """The experience side as the generation stage sees it (`exgrpo.training.experience.Experience`)."""
+    """The experience side as the generation stage sees it (`exgrpo.training.experience_side.ExperienceSide`)."""
 
     def settle(self, groups: list[Group], correct: np.ndarray, step: int) -> int:
         """A round's outcome ((G, K) `correct`), dropped groups included; returns the questions retired now."""
@@ -36,6 +35,22 @@ class GroupSupply(Protocol):
     def refill(self, n: int, planned: PlannedStep, asked: frozenset[str], timer: StageTimer) -> list[Group]:
         """`n` groups for dropped slots, of questions not `asked` yet this step."""
         ...
+
+
+@dataclass(frozen=True)
+class ZeroVarianceRule:
+    """What a step does with its groups whose K rewards are all equal (no gradient)."""
+
+    refills: bool  # drop them and roll out further groups for their slots (else train on them, A = 0)
+    from_buffer: bool = False  # in the mixed phase, refill with experiential questions first
+
+
+#: rollout.zero_variance
+ZERO_VARIANCE_RULES: dict[ZeroVariance, ZeroVarianceRule] = {
+    "keep": ZeroVarianceRule(refills=False),  # released
+    "backfill": ZeroVarianceRule(refills=True),  # DAPO's dynamic sampling
+    "replace_from_buffer": ZeroVarianceRule(refills=True, from_buffer=True),
+}
 
 
 def zero_variance(total: np.ndarray) -> np.ndarray:
@@ -94,13 +109,14 @@ class GenerationRounds:
     """
 
     def __init__(self, engine: RolloutEngine, scorer: GroupScorer, *, sampling: SamplingSettings,
-                 num_generations: int, seed: int, success_threshold: float, zero_variance: str = "keep",
+                 num_generations: int, seed: int, success_threshold: float, zero_variance: ZeroVariance = "keep",
                  max_rounds: int = 3, distributed: Distributed = Distributed(),
                  weights: Callable[[], ContextManager] = contextlib.nullcontext):
         self.engine, self.scorer, self.sampling, self.K, self.seed = engine, scorer, sampling, num_generations, seed
-        self.success_threshold, self.mode, self.dist = success_threshold, zero_variance, distributed
+        self.success_threshold, self.dist = success_threshold, distributed
+        self.refills = ZERO_VARIANCE_RULES[zero_variance].refills
         self.weights = contextlib.nullcontext if engine.holds_copy else weights
-        self.max_rounds = 1 if zero_variance == "keep" else max_rounds
+        self.max_rounds = max_rounds if self.refills else 1
 
     @classmethod
     def from_config(cls, config: ExGRPOConfig, engine: RolloutEngine, scorer: GroupScorer, *,
@@ -133,7 +149,7 @@ class GenerationRounds:
             correct = rewards.total >= self.success_threshold
             zero = zero_variance(rewards.total)
             stats.record(groups, sampled, correct, zero, supply.settle(groups, correct, step))
-            if self.mode == "keep":
+            if not self.refills:
                 return GenerationResult(groups, rewards, correct, stats)
             informative = np.flatnonzero(~zero)
             kept += [groups[i] for i in informative]

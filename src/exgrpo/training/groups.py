@@ -10,9 +10,8 @@ import numpy as np
 import torch
 
 from exgrpo.data import Question
-from exgrpo.experience import Trajectory
-from exgrpo.learner.forward import PackedBatch, pack
-from exgrpo.records import Group, Member
+from exgrpo.records import Group, Member, Trajectory
+from exgrpo.tensors import PackedBatch, pack
 
 
 def form_groups(experiential: Sequence[tuple[Question, Trajectory]], fresh: Sequence[Question],

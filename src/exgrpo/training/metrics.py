@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from exgrpo.experience import ExperienceBuffer
-from exgrpo.learner.forward import PackedBatch
+from exgrpo.tensors import PackedBatch
 from exgrpo.learner.learner import UpdateResult
 from exgrpo.records import Group, GroupRewards
 from exgrpo.training.generation import GenerationStats

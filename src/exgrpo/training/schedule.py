@@ -27,14 +27,13 @@ import numpy as np
 from exgrpo.config import ConfigError, ExGRPOConfig
 from exgrpo.config.rules import ASYNC_ACROSS_RANKS_NEEDS_SERVERS, ASYNC_NEEDS_ITS_OWN_ENGINE
 from exgrpo.data import Question
-from exgrpo.experience import Trajectory
-from exgrpo.records import Group, Member
+from exgrpo.records import Group, Member, Trajectory
 from exgrpo.rollout import RolloutEngine, Rollouts
 from exgrpo.rollout.base import Weights
 from exgrpo.rollout.worker import RolloutWorker, Sampled
 from exgrpo.runtime.distributed import Distributed
 from exgrpo.runtime.timing import StageTimer
-from exgrpo.training.experience import PlannedStep
+from exgrpo.records import PlannedStep
 from exgrpo.training.generation import GenerationRounds
 
 Plan = Callable[[int, frozenset, StageTimer], PlannedStep]  # (step, question ids in flight, timer) -> the plan

@@ -14,7 +14,7 @@
   11. collect the groups into the buffer (mixed phase only); 12. switch to the mixed phase once the batch Pass@1
   of the policy's own members > threshold (the delayed start); 13. metrics.
 With experience.ratio = 0 the same loop is plain GRPO (PPO clipping throughout, buffer never used). Steps 1-2 are
-the experience side's (`exgrpo.training.experience`); `exgrpo.training.schedule` runs them max_staleness steps
+the experience side's (`exgrpo.training.experience_side`); `exgrpo.training.schedule` runs them max_staleness steps
 ahead (0 in sync mode; docs/async.md) and has the step's first round of rollouts sampled by the rollout source
 chosen once, where the trainer is built.
 
@@ -40,11 +40,11 @@ from exgrpo.data import PromptEncoder, Question, drop_long_prompts
 from exgrpo.errors import Shutdown
 from exgrpo.evaluation.contamination import screen_benchmark_questions
 from exgrpo.evaluation.heldout import Accuracy, evaluate_accuracy
-from exgrpo.experience import Trajectory
+from exgrpo.experience.buffer import read_state, write_state
 from exgrpo.learner.objective import group_advantages
 from exgrpo.learner.learner import Learner, loss_settings
 from exgrpo.models import save_policy
-from exgrpo.records import MIXED
+from exgrpo.records import Trajectory
 from exgrpo.rewards import GradingPool
 from exgrpo.rewards.scorer import GroupScorer
 from exgrpo.rollout import RolloutEngine, SamplingSettings, derive_seed, engine_from_config
@@ -54,11 +54,12 @@ from exgrpo.runtime.atomic import write_text_atomic
 from exgrpo.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from exgrpo.runtime.distributed import Distributed, check_replicas, init_distributed, require_on_every_rank, shard
 from exgrpo.runtime.rundir import claim_run_directory, lock_run_directory, unlock_run_directory
-from exgrpo.runtime.sharding import full_model_state, refuse_accelerate_fsdp
+from exgrpo.runtime.sharding import refuse_accelerate_fsdp
 from exgrpo.runtime.signals import StopRequest
 from exgrpo.runtime.timing import StageTimer
 from exgrpo.runtime.tracking import Tracker, truncate_metrics
-from exgrpo.training.experience import Experience
+from exgrpo.tensors import TrajectoryScore
+from exgrpo.training.experience_side import ExperienceSide
 from exgrpo.training.generation import GenerationRounds
 from exgrpo.training.groups import pack_groups
 from exgrpo.training.metrics import StepRecord, sample_lines, step_metrics
@@ -99,7 +100,7 @@ class ExGRPOTrainer:
         self.eval_dataset = self._screen(eval_dataset or [], "held-out")
         self.engine = engine or engine_from_config(c, model, tokenizer, lambda: c.data.max_prompt_length or max(
             (len(self.prompt_ids(q)) for q in [*train_dataset, *self.eval_dataset]), default=0))
-        self.experience = Experience(c, train_dataset, self.prompt_ids, tokenizer, score=self._score_candidates)
+        self.experience = ExperienceSide(c, train_dataset, self.prompt_ids, tokenizer, score=self._score_candidates)
         self.learner = Learner.from_config(model, c, self.dist)
         self.scorer = GroupScorer.from_config(reward_funcs, tokenizer, c.reward, reward_weights=reward_weights,
                                               grading_pool=grading_pool, distributed=self.dist)
@@ -110,9 +111,8 @@ class ExGRPOTrainer:
         staleness = c.rollout.max_staleness if c.rollout.mode == "async" else 0  # sync: plan and sample each step
         self.schedule = Schedule(self.source, lambda step, in_flight, timer: self.experience.plan(
             step, self.learner.weights_version, in_flight, timer), staleness, c.train.steps)
-        self.parity = ParityProbe.from_config(c)
-        self.step, self._resumed, self.stopped_by = 0, False, None
-        self.history: list[dict] = []
+        self.parity = ParityProbe.from_config(c, self.engine)
+        self.step, self._resumed, self.stopped_by, self.history = 0, False, None, []  # history: per-step metrics
         self.last_step: StepRecord | None = None
         self.last_evaluation: Accuracy | None = None  # the latest periodic evaluation
 
@@ -130,8 +130,7 @@ class ExGRPOTrainer:
         planned, first_round = self.schedule.next(self.step, timer)  # 1-2 (planned max_staleness steps ahead)
         generated = self.generation(planned, first_round, self.experience, timer)  # 3-6
         batch = pack_groups(generated.groups, self.tokenizer.pad_token_id)  # 7
-        advantages = group_advantages(torch.tensor(generated.rewards.total, dtype=torch.float32),  # 8
-                                      c.objective.scale_rewards)
+        advantages = group_advantages(torch.from_numpy(generated.rewards.total).float(), c.objective.scale_rewards)  # 8
         version = self.learner.weights_version  # the pre-update policy's: behaviour log-probs come from it
         update = self._update(batch, advantages, planned.phase, timer)  # 9
         with timer("push"):
@@ -147,38 +146,36 @@ class ExGRPOTrainer:
     def _update(self, batch, advantages: torch.Tensor, phase: str, timer: StageTimer):
         """Stage 9, once the last push no longer reads the weights it changes."""
         c = self.config
+        settings = loss_settings(c.objective, c.rollout.max_completion_length, phase, c.guidance.gamma)
         self.source.weights_read()
-        return self.learner(batch, advantages.reshape(-1),
-                            loss_settings(c.objective, c.rollout.max_completion_length, phase, c.guidance.gamma),
-                            c.experience.importance_correction, np.random.default_rng([c.train.seed, self.step, 2]),
-                            timer)
+        return self.learner(batch, advantages.reshape(-1), settings, c.experience.importance_correction,
+                            np.random.default_rng([c.train.seed, self.step, 2]), timer)
 
     def _metrics(self, record: StepRecord, planned, version: int, timer: StageTimer,
                  elapsed: float) -> tuple[dict, list[dict]]:
         """Stage 13, and the step counted done: its metrics (with the engine parity probe's, the source's and the
         replica check's) and, every logging.sample_every steps, example completions."""
-        c, experience, batch, step = self.config, self.experience, record.batch, self.step
+        c, experience, step = self.config, self.experience, self.step
         self.step, self.last_step = step + 1, record
         metrics = step_metrics(record, experience.buffer, step=step, version=version,
                                fresh_remaining=experience.question_pool.remaining, solved=len(experience.solved),
                                learning_rate=self.learner.learning_rate, skipped_updates=self.learner.skipped_updates,
                                guidance=bool(experience.guidance), timings=timer.metrics(), elapsed=elapsed)
-        # the parity probe compares engine and trainer on the same weights: not on rollouts of older ones
-        if planned.version == version:
-            metrics.update(self.parity(step, batch.engine_logp, batch.engine_mask, record.update.behaviour_logp))
+        if planned.version == version:  # engine and trainer on the same weights: not on rollouts of older ones
+            metrics.update(self.parity(step, record.batch.engine_logp, record.batch.engine_mask,
+                                       record.update.behaviour_logp))
         metrics.update(self.source.step_metrics(record.groups, version))
         if c.train.check_replicas:
             metrics.update(check_replicas(self.dist, self.step, experience.buffer.fingerprint(),
-                                          None if self.learner.sharded else self.model))
+                                          self.learner.replica))
         log_samples = c.logging.sample_every and self.step % c.logging.sample_every == 0
         return metrics, sample_lines(record.groups, record.rewards.total, self.tokenizer) if log_samples else []
 
-    def _score_candidates(self, pairs: list[tuple[Question, Trajectory]]) -> list[float]:
+    def _score_candidates(self, pairs: list[tuple[Question, Trajectory]], metric: TrajectoryScore) -> list[float]:
         """Selection scores of (question, stored trajectory) pairs; each rank scores a shard, all get every score."""
-        e = self.config.experience
         mine = [(self.prompt_ids(q), t.token_ids.tolist()) for q, t in shard(pairs, self.dist)]
-        return self.dist.gather(self.learner.selection_scores(mine, e.selection_metric, self.tokenizer.pad_token_id,
-                                                             e.selection_batch_size))
+        return self.dist.gather(self.learner.selection_scores(mine, metric, self.tokenizer.pad_token_id,
+                                                             self.config.experience.selection_batch_size))
 
     # ------------------------------------------------------------------ the run
     def train(self, tracker: Tracker | None = None, on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
@@ -265,12 +262,12 @@ class ExGRPOTrainer:
         """Everything but the model weights and global RNGs: {"trainer": JSON-able progress, the steps in flight
         with their rollouts (waited for) and the resolved config, "optimizer": optimizer and scheduler state,
         "buffer": the experience buffer's state}."""
-        update, experience = self.learner.state_dict(), self.experience.state_dict()
-        trainer = {"step": self.step, **experience["trainer"], "optimizer_steps": update.pop("optimizer_steps"),
-                   "skipped_updates": update.pop("skipped_updates"), "config": self.config.to_dict()}
+        learner, experience = self.learner.state_dict(), self.experience.state_dict()
+        trainer = {"step": self.step, **experience["trainer"], "optimizer_steps": learner.pop("optimizer_steps"),
+                   "skipped_updates": learner.pop("skipped_updates"), "config": self.config.to_dict()}
         if in_flight := self.schedule.state_dict():
             trainer["in_flight"] = in_flight
-        return {"trainer": trainer, "optimizer": update, "buffer": experience["buffer"]}
+        return {"trainer": trainer, "optimizer": learner, "buffer": experience["buffer"]}
 
     def load_state_dict(self, state: dict) -> None:
         trainer = state["trainer"]
@@ -284,11 +281,11 @@ class ExGRPOTrainer:
     def save(self) -> None:
         """Checkpoint the current step: every rank gathers the state (FSDP needs them all), rank 0 writes it."""
         state = self.state_dict()
-        weights = full_model_state(self.model) if self.learner.sharded else None
+        weights = self.learner.checkpoint_weights()
         if self.dist.is_main:
             save_checkpoint(self.config.logging.output_dir, self.step,
                             lambda directory: save_policy(self.model, self.tokenizer, directory, weights),
-                            state, self.config.train.save_total_limit)
+                            functools.partial(write_state, state["buffer"]), state, self.config.train.save_total_limit)
         self.dist.barrier()
 
     def resume(self, directory, verified: bool = False) -> None:
@@ -296,7 +293,7 @@ class ExGRPOTrainer:
         `verified` (by `exgrpo.training.launch.start_point`, which also checks that the config is the run's own).
         Logged lines of later steps are dropped: they will be logged again."""
         require_on_every_rank(self.dist, Path(directory))
-        self.load_state_dict(load_checkpoint(directory, self.model, verified))
+        self.load_state_dict(load_checkpoint(directory, self.model, read_state, verified))
         self._resumed = True
         if self.dist.is_main:
             truncate_metrics(self.config.logging.output_dir, self.step)

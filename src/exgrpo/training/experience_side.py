@@ -1,6 +1,6 @@
 """The experience side of ExGRPO (spec §2-§4): what a step asks and what the run keeps of what it saw.
 
-`Experience` owns the phase (warm-up, then mixed after the delayed start), the fresh question pool, the buffer of
+`ExperienceSide` owns the phase (warm-up, then mixed after the delayed start), the fresh question pool, the buffer of
 correct trajectories, the replay policy that draws experiential questions, guidance and coverage. Each step it
 plans the groups (stages 1-2 of the trainer), settles each generation round (retirement and each question's k),
 refills dropped slots, collects the trained groups into the buffer and decides the switch to the mixed phase. It
@@ -10,7 +10,6 @@ comes with each call that needs it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -18,30 +17,16 @@ import torch
 
 from exgrpo.config import ConfigError, ExGRPOConfig
 from exgrpo.data import Question, QuestionPool
-from exgrpo.experience import ExperienceBuffer, Trajectory, num_experiential, replay_policy_from_config, select_replays
-from exgrpo.records import MIXED, WARMUP, Group, own_members
+from exgrpo.experience import (SELECTION_METRICS, SELECTION_MODES, ExperienceBuffer, num_experiential,
+                               replay_policy_from_config, select_replays)
+from exgrpo.records import MIXED, WARMUP, Group, PlannedStep, Trajectory, own_members
 from exgrpo.runtime.timing import StageTimer
+from exgrpo.tensors import TrajectoryScore
+from exgrpo.training.generation import ZERO_VARIANCE_RULES
 from exgrpo.training.groups import form_groups
 from exgrpo.training.guidance import Guidance
 
-ScoreCandidates = Callable[[list[tuple[Question, Trajectory]]], list[float]]
-
-
-@dataclass
-class PlannedStep:
-    """A step's groups before their rollouts: experiential groups hold their replay as member 0, guided groups
-    their demonstrations. `version`: the weights version (applied optimizer steps) the rollouts are sampled
-    from; `rng`: the step's random stream, which refill rounds continue."""
-
-    step: int
-    phase: str
-    groups: list[Group]
-    version: int
-    rng: np.random.Generator | None = None
-
-    @property
-    def question_ids(self) -> set[str]:
-        return {g.question.id for g in self.groups}
+ScoreCandidates = Callable[[list[tuple[Question, Trajectory]], TrajectoryScore], list[float]]
 
 
 def _refuse_fewer_questions_than_a_step(questions: int, prompts_per_step: int) -> None:
@@ -54,13 +39,13 @@ def _refuse_fewer_questions_than_a_step(questions: int, prompts_per_step: int) -
                           "questions")
 
 
-class Experience:
+class ExperienceSide:
     """Args:
         config: the run configuration.
         questions: the training questions (screened).
         prompt_ids: a question's prompt token ids.
         tokenizer: tokenizes demonstrations (guidance).
-        score: selection scores of (question, stored trajectory) pairs under the current policy.
+        score: selection scores of (question, stored trajectory) pairs under the current policy, by the metric given.
     """
 
     def __init__(self, config: ExGRPOConfig, questions: Sequence[Question], prompt_ids: Callable[[Question], list],
@@ -74,6 +59,8 @@ class Experience:
                                           batch_size=c.train.prompts_per_step)
         self.guidance = Guidance.from_config(c.guidance, questions, tokenizer, c.rollout.max_completion_length)
         self.replay_policy = replay_policy_from_config(e, self.buffer, self.K)
+        self.selection_metric, self.choose = SELECTION_METRICS[e.selection_metric], SELECTION_MODES[e.selection_mode]
+        self.refills_from_buffer = ZERO_VARIANCE_RULES[c.rollout.zero_variance].from_buffer
         self.retires = e.retirement != "none"
         self.solved: set[str] = set()  # questions with a correct rollout of the policy's own (coverage, guidance)
         self.phase = WARMUP
@@ -117,9 +104,8 @@ class Experience:
 
     def select_replays(self, questions: Sequence[Question], rng: np.random.Generator) -> list[Trajectory]:
         """For each question, the stored trajectory the selection rule picks under the current policy."""
-        e = self.config.experience
         candidates = [(q, self.buffer.trajectories(q.id)) for q in questions]
-        return select_replays(candidates, e.selection_metric, e.selection_mode, rng, score=self.score)
+        return select_replays(candidates, self.selection_metric, self.choose, rng, score=self.score)
 
     def settle(self, groups: list[Group], correct: np.ndarray, step: int) -> int:
         """A generation round's outcome, dropped groups included: questions whose own members are all correct are
@@ -141,7 +127,7 @@ class Experience:
         """n groups for the planned step's dropped slots: with replace_from_buffer in the mixed phase, experiential
         questions not asked yet this step (with their replays), then fresh questions."""
         experiential = []
-        if self.config.rollout.zero_variance == "replace_from_buffer" and planned.phase == MIXED:
+        if self.refills_from_buffer and planned.phase == MIXED:
             experiential = self.sample_experiential(planned.rng, planned.step, n, asked)
         fresh = self.question_pool.draw(n - len(experiential))
         return self.build_groups(experiential, fresh, planned.phase, planned.rng, timer, planned.step)
