@@ -204,6 +204,33 @@ def test_the_registered_power_statement_reproduces_round_three():
     assert "80% power needs a true effect of +1" in power_statement(rules, 5)
 
 
+def test_the_power_statement_gives_both_probabilities_round_four_computed():
+    """Round four part two's dated note: 6 seeds at the registered SD 3.0 say "no difference" with no true effect
+    22% of the time (7% at SD 4.0, 96% at the observed 1.43)."""
+    from exgrpo.studies.statistics import no_difference_power, power_statement
+
+    rules = Registration(effect=0.03, equivalence=0.03, power_sd=0.03, power_effects=(0.035,))
+    assert no_difference_power(0.0, 0.03, 6, rules) == pytest.approx(0.218, abs=0.002)
+    assert no_difference_power(0.0, 0.04, 6, rules) == pytest.approx(0.065, abs=0.002)
+    assert no_difference_power(0.0, 0.0143, 6, rules) == pytest.approx(0.962, abs=0.002)
+    assert "With no true difference they say \"no difference\" with probability 22%." in power_statement(rules, 6)
+
+
+def test_the_mechanism_table_reads_what_was_paid():
+    from exgrpo.studies.report import mechanism_table
+
+    run = _result(1, [48] * 4, {4: 0.1})
+    for m, zero, replayed in zip(run.history, (1.0, 0.5, 0.5, 0.0), (0, 0, 3, 3)):
+        m.update({"generation/zero_variance_fraction": zero, "experience/replayed": replayed})
+    run.history[1]["entropy/fresh_correct"] = 0.4  # the first correct rollout of its own: step 2
+    paid = [("5 + 9 = 14, 14 + 7 = 21. The answer is 21.", False), ("5 + 9 = 15, so 21.", False),
+            ("The answer is 21.", False), ("5 + 9 = 14, 14 + 7 = 21, so 21", True)]
+    run.samples = [{"completion": text, "replayed": replayed, "reward": 1.0} for text, replayed in paid] + \
+        [{"completion": "5 + 9 = 14, so 14.", "replayed": False, "reward": 0.0}]  # not paid: not read
+    table = mechanism_table({"a": [run]}, ["a"])
+    assert table[2] == "| a | 2.0 | 1.50 | 50.0% | 3: 1 / 1 / 1 | 1: 1 / 0 / 0 |"
+
+
 def test_medium_bucket_supply_reads_the_buckets_a_step_drew_its_replays_from():
     from exgrpo.studies.report import medium_bucket_supply
 

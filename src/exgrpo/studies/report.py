@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import matplotlib
@@ -14,6 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from exgrpo.studies.study import Registration, RunResult, Study, load_results, mixed_phase_start  # noqa: E402
 from exgrpo.studies.statistics import paired_difference, power_statement, t_interval, verdict  # noqa: E402
+from exgrpo.studies.working import classify  # noqa: E402
 
 
 def _by_arm(results: list[RunResult]) -> dict[str, list[RunResult]]:
@@ -309,6 +310,34 @@ def buffer_table(arms: dict[str, list[RunResult]], names: list[str]) -> list[str
     return lines
 
 
+def mechanism_table(arms: dict[str, list[RunResult]], names: list[str]) -> list[str]:
+    """Why a verdict came out as it did, per arm (mean over seeds): the first step with a correct rollout of the
+    policy's own, replayed questions per step, zero-variance groups, and the logged samples that were paid (reward
+    at the success threshold), fresh and replayed, read by `exgrpo.studies.working.classify`: valid working, lucky
+    (right answer, a wrong step) or no working."""
+    lines = ["| arm | first success step | replays / step | zero-variance groups | paid fresh samples: valid / "
+             "lucky / no working | paid replayed samples: valid / lucky / no working |",
+             "|---|---:|---:|---:|---|---|"]
+    for name in names:
+        runs = arms[name]
+        first = [next((m["step"] for m in r.history if "entropy/fresh_correct" in m), np.nan) for r in runs]
+        replays = np.mean([m["experience/replayed"] for r in runs for m in r.history])
+        zero = [m["generation/zero_variance_fraction"] for r in runs for m in r.history
+                if "generation/zero_variance_fraction" in m]
+        paid = {replayed: [s for r in runs for s in r.samples if s["replayed"] == replayed
+                           and s["reward"] >= r.config.reward.success_threshold] for replayed in (False, True)}
+
+        def classes(samples: list[dict]) -> str:
+            counts = Counter(classify(s["completion"]) for s in samples)
+            return f"{len(samples)}: {counts['valid']} / {counts['lucky']} / {counts['no_working']}"
+
+        first_step = f"{np.nanmean(first):.1f}" if not np.isnan(first).all() else "—"
+        lines.append(f"| {runs[0].arm.label} | {first_step} | "
+                     f"{replays:.2f} | " + (f"{100 * np.mean(zero):.1f}%" if zero else "—")
+                     + f" | {classes(paid[False])} | {classes(paid[True])} |")
+    return lines
+
+
 def write_study_report(study: Study, out: str | Path, main_arms: list[str], only: list[str] | None = None) -> Path:
     """Plots and tables for all arms (or the arms in `only`, the baseline and `main_arms` among them); `main_arms` (e.g.
     GRPO and ExGRPO) get the curves and the buffer plot is drawn for the last of them. Returns the markdown file
@@ -348,6 +377,8 @@ def write_study_report(study: Study, out: str | Path, main_arms: list[str], only
         *paired_table(arms, comparisons, reg), "",
         "## Buffer and replay (end of training, mean over seeds)", "", *buffer_table(arms, names), "",
         "## Coverage, zero-variance groups, entropy (mean over seeds)", "", *analyses_table(arms, names), "",
+        "## What was paid, and why (mean over seeds; samples: every logged one, counted over seeds)", "",
+        *mechanism_table(arms, names), "",
         *[f"![{p}]({p})" for p in plots], "",
     ]
     path = out / "report.md"

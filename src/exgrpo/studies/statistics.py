@@ -62,6 +62,14 @@ def power(true_effect: float, sd: float, seeds: int, registered: Registration, t
     return float(np.mean((mean >= registered.effect) & (mean - half > 0)))
 
 
+def no_difference_power(true_effect: float, sd: float, seeds: int, registered: Registration,
+                        trials: int = 20_000) -> float:
+    """P(verdict "no difference"): the 95% interval within ±`equivalence` (simulated as `power` is)."""
+    d = np.random.default_rng(0).normal(true_effect, sd, size=(trials, seeds))
+    mean, half = d.mean(1), T_975[seeds - 1] * d.std(1, ddof=1) / np.sqrt(seeds)
+    return float(np.mean((mean - half >= -registered.equivalence) & (mean + half <= registered.equivalence)))
+
+
 def detectable_effect(sd: float, seeds: int, registered: Registration, target: float = 0.8) -> float:
     """The smallest true effect the rules call "helps" with probability `target` (to 0.1 points)."""
     low, high = 0.0, 20 * sd + registered.effect
@@ -80,4 +88,5 @@ def power_statement(registered: Registration, seeds: int) -> str:
                         for e in registered.power_effects)
     return (f"With {seeds} paired seeds and the registered paired SD of {100 * sd:.1f} points, the rules say "
             f"\"helps\" with probability {chances}; 80% power needs a true effect of "
-            f"{100 * detectable_effect(sd, seeds, registered):+.1f} points.")
+            f"{100 * detectable_effect(sd, seeds, registered):+.1f} points. With no true difference they say \"no "
+            f"difference\" with probability {100 * no_difference_power(0.0, sd, seeds, registered):.0f}%.")

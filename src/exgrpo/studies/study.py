@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -256,6 +256,7 @@ class RunResult:
     config: ExGRPOConfig
     history: list[dict]  # metrics.jsonl lines, one per step
     initial: dict  # before-training evaluation
+    samples: list[dict] = field(default_factory=list)  # samples.jsonl lines (logging.sample_every)
 
     def evaluations(self) -> list[tuple[int, float]]:
         """(step, held-out accuracy), step 0 first."""
@@ -311,7 +312,8 @@ def load_results(study: Study, arms: list[str] | None = None) -> list[RunResult]
                 missing.append(f"{arm.name}/seed-{seed}")
                 continue
             history = read_metrics(run_dir / "metrics.jsonl")
-            results.append(RunResult(arm, seed, config, history, json.loads(initial.read_text())))
+            samples = read_metrics(run_dir / "samples.jsonl") if (run_dir / "samples.jsonl").exists() else []
+            results.append(RunResult(arm, seed, config, history, json.loads(initial.read_text()), samples))
     if missing:
         raise ConfigError(f"{study.path}: runs not complete yet: {', '.join(missing)} "
                           f"(run `exgrpo experiment run {study.path}`)")
