@@ -135,6 +135,31 @@ def test_grade_math_refuses_restatements_given_the_question(completion, gold, qu
     assert grade_math(completion, gold, question=question) == expected
 
 
+# (completion, label) on "9 + 6 - 6 =" (gold 9): math-verify reads "final answer:" or "final answer is" up to the
+# first expression, which the completion then carries on into an equation: the equation's last side is the answer
+# (found in round five's pilot, where two wrong completions were paid)
+NINE = "State the final answer to the following arithmetic problem: 9 + 6 - 6 ="
+EQUATION_CASES = [
+    ("To find the final answer:\n9 + 6 = 15\n15 - 6 = 8\nThe solution is 8.", 0.0),  # math-verify read 9
+    ("So, 9 + 6 = 15. Therefore, the final answer is 15 - 6 = 7.", 0.0),  # math-verify read 15 - 6
+    ("The final answer is 15 - 6 = 9.", 1.0),
+    ("The final answer is 9 + 6 - 6 = 15 - 6 = 9", 1.0),  # restated, then computed: the chain's last side
+    ("The final answer is 9 + 6 - 6", 0.0),  # restated only
+    ("9 + 6 = 15, 15 - 6 = 9. The final answer is 9.", 1.0),  # 9 is also written on its own
+    ("9 + 6 = 15 and 15 - 6 = 9, so the answer: 9", 1.0),
+    (r"\boxed{9}", 1.0),
+]
+
+
+@pytest.mark.parametrize(("completion", "expected"), EQUATION_CASES)
+def test_grade_math_reads_an_answer_that_starts_an_equation_as_its_result(completion, expected):
+    assert grade_math(completion, "9", question=NINE) == expected
+
+
+def test_without_the_question_the_released_reward_pays_what_math_verify_reads():
+    assert grade_math(EQUATION_CASES[1][0], "9") == 1.0  # the released reward, reproduced as it is
+
+
 def test_grade_math_needs_the_question_as_text():
     with pytest.raises(TypeError, match="question must be the prompt's text"):
         grade_math("12", "12", question=[{"role": "user", "content": "3 * 4"}])

@@ -42,6 +42,8 @@ def grade_math(completion: str, gold: str, think_gate: bool = False, question: s
     try:
         gold_parsed = parse("$" + gold + "$", parsing_timeout=timeout)
         answer_parsed = parse(completion, parsing_timeout=timeout)
+        if question is not None and (result := _equation_result(completion, gold_parsed, answer_parsed)):
+            answer_parsed = parse("$" + result + "$", parsing_timeout=timeout)
         if question is not None and _restates(gold_parsed, answer_parsed, question):
             return 0.0
         return float(verify(gold_parsed, answer_parsed, timeout_seconds=timeout))
@@ -53,6 +55,27 @@ def _restates(gold_parsed: list, answer_parsed: list, question: str) -> bool:
     """The gold is a number and the answer a restatement of `question` (math-verify's parses: [sympy, text])."""
     numeric_gold = len(gold_parsed) == 2 and isinstance(gold_parsed[0], sympy.Number)
     return numeric_gold and len(answer_parsed) == 2 and is_restatement(answer_parsed[0], answer_parsed[1], question)
+
+
+_NUMBER = r"-?\d+(?:\.\d+)?"
+#: what follows the left side of an equation on its line: more operands, then "=" and the rest of the arithmetic
+_EQUATION_TAIL = re.compile(rf"(?:[ \t]*[-+*/×÷][ \t]*\(?{_NUMBER}\)?)*[ \t]*=([-\d \t.+*/×÷()=]*)")
+
+
+def _equation_result(completion: str, gold_parsed: list, answer_parsed: list) -> str | None:
+    """Where math-verify's answer to a numeric gold is, everywhere the completion writes it, the start of an
+    equation ("the final answer is 15 - 6 = 7"; "final answer:\n9 + 6 = 15"), the equation's last side (7; 15; of
+    a chain "9 + 6 - 6 = 15 - 6 = 9", 9): the completion's answer, which math-verify would not read. None otherwise
+    (a boxed answer, an answer also written on its own, a gold that is not a number)."""
+    numeric_gold = len(gold_parsed) == 2 and isinstance(gold_parsed[0], sympy.Number)
+    if not numeric_gold or len(answer_parsed) != 2 or "\\boxed" in completion:
+        return None
+    written = list(re.finditer(rf"(?<![\d.]){re.escape(answer_parsed[1])}(?!\.?\d)", completion))
+    results = [_EQUATION_TAIL.match(completion, w.end()) for w in written]
+    if not written or not all(results):
+        return None
+    result = results[-1].group(1).rsplit("=", 1)[-1].strip().rstrip(".").strip()  # a chain's last side
+    return result or None
 
 
 def after_think(text: str) -> str | None:
