@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from exgrpo.rollout.servers import EngineError, ServerPool, model_refusal, server_refusal  # noqa: E402
-from exgrpo.rollout.weight_transfer import model_signature  # noqa: E402
+from exgrpo.rollout.servers import (EngineError, ServerPool, learner_signature, model_refusal,  # noqa: E402
+                                    server_refusal)
 
 PAGE = "<!DOCTYPE html><html><head><title>Not Found</title></head><body>" + "<p>nothing here</p>" * 200 + "</body>"
 
@@ -89,7 +89,8 @@ def test_a_server_serving_shorter_sequences_than_the_run_needs_is_refused():
 def test_a_server_of_another_model_is_refused_before_any_push():
     from exgrpo.models import load_policy
 
-    tiny = model_signature(load_policy("tiny")[0].config)
+    tiny = learner_signature(load_policy("tiny")[0])
+    assert tiny["architectures"] == ["LlamaForCausalLM"]  # built in process: named by its class
     assert model_refusal(tiny, tiny) is None
     other = {**tiny, "vocab_size": tiny["vocab_size"] + 1, "architectures": ["GemmaForCausalLM"]}
     refusal = model_refusal(other, tiny)

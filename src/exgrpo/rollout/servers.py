@@ -64,6 +64,13 @@ def server_refusal(config: dict, backend: str, dtype: str, max_model_len: int | 
     return None
 
 
+def learner_signature(model) -> dict:
+    """The learner's `model_signature`; a model built in process has no `architectures` yet: its class names it."""
+    base = base_model(model)
+    signature = weight_transfer.model_signature(base.config)
+    return {**signature, "architectures": signature["architectures"] or [type(base).__name__]}
+
+
 def model_refusal(served: dict, learner: dict) -> str | None:
     """Why a server whose model has the `model_signature` `served` cannot take the weights of a learner whose model
     has `learner`; None when it can."""
@@ -330,7 +337,7 @@ class ServerEngine:
     def _check_servers(self, model, backend: str, dtype: str, max_model_len: int | None) -> int:
         """Refuse a server that cannot serve the run, with the reason; the smallest max_model_len of them."""
         configs = self.servers.configs()
-        signature = weight_transfer.model_signature(base_model(model).config)
+        signature = learner_signature(model)
         for url, config, served, version in zip(self.servers.urls, configs, self.servers.signatures(),
                                                 self.servers.versions()):
             refusal = server_refusal(config, backend, dtype, max_model_len) or model_refusal(served, signature) \
