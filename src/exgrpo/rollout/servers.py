@@ -340,9 +340,11 @@ class ServerEngine:
         signature = learner_signature(model)
         for url, config, served, version in zip(self.servers.urls, configs, self.servers.signatures(),
                                                 self.servers.versions()):
+            # the label is read by rank 0 alone: the others may read it while rank 0's first push is under way
+            half_loaded = self.rank == 0 and version == PUSH_IN_PROGRESS
             refusal = server_refusal(config, backend, dtype, max_model_len) or model_refusal(served, signature) \
-                or (version == PUSH_IN_PROGRESS and "holds half-loaded weights: a weight push into it failed or "
-                    f"was interrupted; {restart_advice([url])}")
+                or (half_loaded and "holds half-loaded weights: a weight push into it failed or was interrupted; "
+                    f"{restart_advice([url])}")
             if refusal:
                 raise EngineError(f"the vLLM server {url} {refusal}")
         return min(int(config["model_config"]["max_model_len"]) for config in configs)

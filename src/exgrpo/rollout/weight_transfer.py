@@ -250,7 +250,7 @@ class WorkerExtension:
 
     def exgrpo_missing_weights(self) -> list[str]:
         """Engine parameters the last weight update did not load (empty: it loaded every one)."""
-        return list(getattr(self.weight_transfer_engine, "missing", []))
+        return list(self.weight_transfer_engine.missing)  # set when the transfer engine is initialised
 
     def exgrpo_model_signature(self) -> dict:
         """What a learner must share with this engine's model before it pushes weights into it."""

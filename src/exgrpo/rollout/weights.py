@@ -57,12 +57,12 @@ def _merged(module) -> torch.Tensor:
     return (weight + delta).detach()
 
 
-def fused_slots(engine) -> dict[str, tuple[str, int, int]]:
+def fused_slots(vllm_model) -> dict[str, tuple[str, int, int]]:
     """Policy weight name -> (engine weight name, position among its fused parts, number of parts): vLLM fuses
-    q/k/v and gate/up into one weight (`packed_modules_mapping`)."""
-    packed = getattr(engine, "packed_modules_mapping", {})
+    q/k/v and gate/up into one weight (`packed_modules_mapping`, where the model class declares one)."""
+    packed = getattr(vllm_model, "packed_modules_mapping", {})
     slots = {}
-    for name, _ in engine.named_parameters():
+    for name, _ in vllm_model.named_parameters():
         module, _, leaf = name.rpartition(".")
         parent, _, kind = module.rpartition(".")
         parts = [f"{parent}.{p}.{leaf}" for p in packed[kind]] if kind in packed else [name]
