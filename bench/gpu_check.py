@@ -118,7 +118,7 @@ def qwen_shaped(device: torch.device, shape: dict, tokens: int, decode: tuple[in
                                          "activation_checkpointing": True, "logprob_chunk_tokens": 1024,
                                          "learning_rate": 1e-6}})
     model.config.use_cache = False
-    update = Learner(model, config.train, group_size=8, temperature=1.0, dist=Distributed())
+    update = Learner(model, config.train, num_generations=8, temperature=1.0, dist=Distributed())
     advantages = torch.tensor([0.5, -0.5] * 8)
     if device.type == "cuda":
         torch.cuda.synchronize()

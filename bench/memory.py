@@ -55,7 +55,7 @@ def measure_micro_batch(model_name: str, length: int, chunk: int | None, checkpo
     model, tok = load_policy(model_name, lora=LoraConfig(32, 64, 0.0, "all-linear") if lora else None)
     config = config_from_dict({"train": {"logprob_chunk_tokens": chunk, "activation_checkpointing": checkpointing,
                                          "mini_batches": 1}})
-    update = Learner(model, config.train, group_size=2, temperature=1.0, dist=Distributed())
+    update = Learner(model, config.train, num_generations=2, temperature=1.0, dist=Distributed())
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     batch = pack([(rng.integers(0, vocab, PROMPT).tolist(), rng.integers(0, vocab, length).tolist(), None)],
@@ -96,7 +96,7 @@ def measure_ranks(model_name: str, sharding: str, length: int) -> None:
     ctx = init_distributed()
     model, tok = load_policy(model_name)
     config = config_from_dict({"train": {"sharding": sharding, "mini_batches": 1}})
-    update = Learner(model, config.train, group_size=1, temperature=1.0, dist=ctx)
+    update = Learner(model, config.train, num_generations=1, temperature=1.0, dist=ctx)
     ids = [10 + i % (model.config.vocab_size - 10) for i in range(length)]
     batch = pack([(ids[:PROMPT], ids, None)], tok.pad_token_id)
     for _ in range(2):  # the second step measures the steady state (optimizer state exists)

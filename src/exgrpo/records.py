@@ -31,7 +31,7 @@ class Member:
     completion_ids: list[int]
     truncated: bool = False  # stopped by max_completion_length
     replay: Trajectory | None = None  # set on the replayed member of an experiential group
-    engine_logprobs: list[float] | None = None  # the engine's log-prob of each sampled token, if it reports them
+    engine_logp: list[float] | None = None  # the engine's log-prob of each sampled token, if it reports them
     demonstration: bool = False  # an external reference solution from the data (guidance), not sampled
     policy_version: int | None = None  # the weights version (applied optimizer steps) that sampled it
 

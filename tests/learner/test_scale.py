@@ -59,14 +59,14 @@ def test_micro_batch_plan_respects_the_token_budget():
 def _update(model, **train):
     config = config_from_dict({"train": {"mini_batches": 1, "micro_batch_size": 64, "learning_rate": 1e-3,
                                          "steps": 2, **train}})
-    return Learner(model, config.train, group_size=4, temperature=1.0, dist=Distributed())
+    return Learner(model, config.train, num_generations=4, temperature=1.0, dist=Distributed())
 
 
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
 def test_one_process_trains_its_model_as_it_is_whatever_the_sharding(tiny_policy, sharding):
     """train.sharding applies across ranks: a one-process learner neither wraps nor shards, nor scales the loss."""
     model, _ = tiny_policy
-    learner = Learner(model, config_from_dict({"train": {"sharding": sharding}}).train, group_size=4,
+    learner = Learner(model, config_from_dict({"train": {"sharding": sharding}}).train, num_generations=4,
                       temperature=1.0, dist=Distributed())
     assert learner.train_model is model and learner.replica is model and learner.parallel.loss_multiplier == 1
     assert learner.parallel.backward_passes(0) == 0  # no padding pass: there are no collectives to join

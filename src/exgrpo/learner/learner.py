@@ -110,7 +110,7 @@ class Learner:
         model: the policy (possibly peft-wrapped); its trainable parameters are optimised. With FSDP it is
             sharded in place here, before the optimizer is built.
         train: optimizer, schedule, batching, precision, sharding and clipping settings.
-        group_size: K; mini-batches hold whole groups of K consecutive rows.
+        num_generations: K; mini-batches hold whole groups of K consecutive rows.
         temperature: the rollout temperature (log-probs are those of the sampling distribution).
         dist: the data-parallel context.
         loss_scale: "global" or "per_rank" (see `exgrpo.learner.parallel`).
@@ -125,7 +125,7 @@ class Learner:
         return cls(model, config.train, config.rollout.num_generations, config.rollout.temperature, dist,
                    loss_scale=config.objective.loss_scale, tis_cap=engine_correction_cap(config))
 
-    def __init__(self, model, train: TrainConfig, group_size: int, temperature: float, dist: Distributed,
+    def __init__(self, model, train: TrainConfig, num_generations: int, temperature: float, dist: Distributed,
                  loss_scale: str = "global", tis_cap: float | None = None):
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("the model has no trainable parameters")
@@ -133,7 +133,7 @@ class Learner:
         if per_mini_batch < dist.world_size:
             raise ValueError(f"train.prompts_per_step / train.mini_batches = {per_mini_batch} questions per "
                              f"mini-batch cannot be shared by {dist.world_size} data-parallel ranks")
-        self.model, self.train, self.K, self.temperature, self.dist = model, train, group_size, temperature, dist
+        self.model, self.train, self.K, self.temperature, self.dist = model, train, num_generations, temperature, dist
         self.tis_cap = tis_cap
         if train.activation_checkpointing:
             if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.2x

@@ -180,8 +180,8 @@ class GenerationRounds:
         prompts, seeds = self.requests(groups[start:end], step, first_group + start)
         with self.weights():
             rollouts = self.engine.generate(prompts, self.sampling, seeds)
-        engine_logprobs = rollouts.logprobs or [None] * len(prompts)
-        sampled = self.dist.gather(list(zip(rollouts.completion_ids, rollouts.truncated, engine_logprobs)))
+        engine_logp = rollouts.logprobs or [None] * len(prompts)
+        sampled = self.dist.gather(list(zip(rollouts.completion_ids, rollouts.truncated, engine_logp)))
         ids, truncated, logprobs = (list(column) for column in zip(*sampled)) if sampled else ([], [], [])
         return Sampled(Rollouts(ids, truncated, logprobs), self.engine.weights_version if self.engine.holds_copy
                        else version)
@@ -202,4 +202,4 @@ class GenerationRounds:
             raise EngineError(f"{len(rollouts.completion_ids)} rollouts for {len(slots)} requested samples")
         logprobs = rollouts.logprobs or [None] * len(slots)
         for g, ids, truncated, lps in zip(slots, rollouts.completion_ids, rollouts.truncated, logprobs):
-            g.members.append(Member(ids, truncated, engine_logprobs=lps, policy_version=version))
+            g.members.append(Member(ids, truncated, engine_logp=lps, policy_version=version))

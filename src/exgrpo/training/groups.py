@@ -34,12 +34,12 @@ def pack_groups(groups: Sequence[Group], pad_id: int) -> PackedBatch:
     if any(m.demonstration for m in members):
         rows = torch.tensor([m.demonstration for m in members]).unsqueeze(-1)
         batch = replace(batch, demonstration_mask=batch.replay_mask & rows)
-    if not any(m.engine_logprobs is not None for m in members):
+    if not any(m.engine_logp is not None for m in members):
         return batch
     engine = torch.zeros_like(batch.recorded_logp)
     has = torch.zeros_like(batch.replay_mask)
     for i, m in enumerate(members):
-        if m.engine_logprobs is not None:
-            engine[i, :len(m.engine_logprobs)] = torch.tensor(m.engine_logprobs)
-            has[i, :len(m.engine_logprobs)] = True
+        if m.engine_logp is not None:
+            engine[i, :len(m.engine_logp)] = torch.tensor(m.engine_logp)
+            has[i, :len(m.engine_logp)] = True
     return replace(batch, engine_logp=engine, engine_mask=has)
