@@ -143,8 +143,10 @@ class ShmTransport:
         from safetensors.torch import save_file
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
+        if snapshot is not None:  # the engine in its own process serves one learner process, which it reads
+            raise ValueError("an engine process of one learner reads the learner's weights itself: no snapshot")
         tensors, seen = {}, set()
-        for name, tensor in snapshot or pushed_weights(self.model):  # tied aliases too: vLLM loads lm_head by name
+        for name, tensor in pushed_weights(self.model):  # tied aliases too: vLLM loads lm_head by name
             tensors[name] = tensor.detach().clone() if tensor.data_ptr() in seen else tensor.detach().contiguous()
             seen.add(tensor.data_ptr())
         path = os.path.join(self._dir, "weights.safetensors")  # safetensors writes a .tmp file beside it first
