@@ -15,15 +15,12 @@ import json
 import sys
 from pathlib import Path
 
+from exgrpo.runtime.tracking import read_metrics
 from exgrpo.studies.study import load_study
 
 K = 8
 MEDIUM = range(2, K - 1)  # k = 2..6
 REPLAY_SLOTS = 3  # experiential questions per step: 6 questions x experience.ratio 0.5
-
-
-def rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def buckets(row: dict) -> dict[int, float]:
@@ -40,7 +37,7 @@ def medium_share(row: dict) -> float | None:
 
 
 def criteria(run: Path, initial: float) -> dict:
-    log = rows(run / "metrics.jsonl")
+    log = read_metrics(run / "metrics.jsonl")
     by_step = {}
     for row in log:
         by_step.setdefault(row["step"], {}).update(row)
@@ -53,7 +50,7 @@ def criteria(run: Path, initial: float) -> dict:
         "1_learning": evals[last] - evals[0] >= 0.10,
         "2_no_collapse": evals[last] >= max(evals.values()) - 0.05,
         "entropy_20": round(entropy_20, 2), "3_entropy": entropy_20 >= 0.3,
-        "max_solved_1_15": max(by_step[s]["batch/solved"] for s in range(1, 16)),
+        "max_solved_1_15": max(by_step[s]["batch/pass_at_1"] for s in range(1, 16)),
         "buffer_questions": {s: by_step[s].get("experience/questions") for s in shares},
         "medium_share": {s: None if v is None else round(v, 2) for s, v in shares.items()},
         "5_medium": bool(shares) and all(v is not None and v >= 0.40 for v in shares.values()),
@@ -69,7 +66,7 @@ def write_samples(run: Path, n: int = 50) -> Path:
     out = run / f"last_{n}_samples.txt"
     out.write_text("".join(f"--- step {s['step']} {s['question_id']} gold={s['answer']} reward={s['reward']} "
                            f"replayed={s['replayed']}\n{s['completion']}\n"
-                           for s in rows(run / "samples.jsonl")[-n:]))
+                           for s in read_metrics(run / "samples.jsonl")[-n:]))
     return out
 
 

@@ -57,7 +57,7 @@ def retention(run_dir: Path) -> dict:
         trainer.load_state_dict(load_checkpoint(checkpoint, trainer.model, read_state))
         trainer.source.push(trainer.learner.weights_version)
         questions = [q for qid, q in trainer.experience.question_pool.questions.items()
-                     if qid in trainer.experience.solved]
+                     if qid in trainer.experience.ever_correct]
         accuracy = evaluate_accuracy(trainer.engine, trainer.tokenizer, questions, trainer.scorer.reward_funcs,
                                      SamplingSettings.from_config(config.rollout, temperature=1.0), SAMPLES, SEED,
                                      config.reward.success_threshold, trainer.prompt_ids)

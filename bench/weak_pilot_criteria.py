@@ -13,11 +13,8 @@ import re
 import sys
 from pathlib import Path
 
+from exgrpo.runtime.tracking import read_metrics
 from exgrpo.studies.study import load_study
-
-
-def rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def criteria(metrics: list[dict], start: float, replaying: bool) -> dict:
@@ -39,7 +36,7 @@ def criteria(metrics: list[dict], start: float, replaying: bool) -> dict:
 
 def write_samples(run: Path) -> int:
     """Every logged sample, for reading by hand (criterion 1): reward, gold answer, the last number stated."""
-    samples = rows(run / "samples.jsonl")
+    samples = read_metrics(run / "samples.jsonl")
     lines = []
     for s in samples:
         numbers = re.findall(r"-?\d+(?:\.\d+)?", s["completion"])
@@ -55,7 +52,7 @@ def main(study_file: str, *arms: str) -> None:
     start = json.loads(initial.read_text())["accuracy"]
     for arm in arms:
         for run in sorted((study.output_dir / arm).glob("seed-*")):
-            result = criteria(rows(run / "metrics.jsonl"), start, replaying=arm != study.baseline)
+            result = criteria(read_metrics(run / "metrics.jsonl"), start, replaying=arm != study.baseline)
             print(f"{arm} {run.name}: {json.dumps(result)}; {write_samples(run)} samples in "
                   f"{run / 'samples_to_read.txt'}")
 

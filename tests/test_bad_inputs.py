@@ -50,11 +50,11 @@ def _tiny_trainer(tmp_path, reward=None, experience=None, **train):
     return ExGRPOTrainer(model, tokenizer, [reward], config, questions)
 
 
-def _skipped_updates(tmp_path):
+def _skipped_optimizer_steps(tmp_path):
     trainer = _tiny_trainer(tmp_path, skip_grad_norm=1e-12)  # every gradient norm is "too large"
     before = [p.detach().clone() for p in trainer.model.parameters()]
     history = trainer.train()
-    assert trainer.learner.skipped_updates == 2 and history[-1]["skipped_updates"] == 2.0
+    assert trainer.learner.skipped_optimizer_steps == 2 and history[-1]["skipped_optimizer_steps"] == 2.0
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
 
 
@@ -166,7 +166,7 @@ CASES = {
         _raises(ValueError, "returned 1 rewards for 2 completions")),
     "reward function returning None": (_nan_reward_is_skipped_by_nansum, lambda action: action()),
     # numerics and the run
-    "gradient norm above the skip bound": (_skipped_updates, lambda action: action()),
+    "gradient norm above the skip bound": (_skipped_optimizer_steps, lambda action: action()),
     "every question retired": (_retired_pool_ends, lambda action: action()),
 }
 

@@ -256,7 +256,8 @@ def test_the_demo_reports_a_run_whose_buffer_stays_empty(tmp_path):
 
 
 @pytest.mark.parametrize("extra, note", [
-    (["experience.start_threshold=0.99"], "the mixed phase never started: batch Pass@1 (batch/solved) reached at most"),
+    (["experience.start_threshold=0.99"],
+     "the mixed phase never started: batch Pass@1 (batch/pass_at_1) reached at most"),
     (["experience.ratio=0"], None),  # GRPO asked for: nothing to say
 ])
 def test_a_replay_phase_that_never_starts_is_said_at_the_end(tmp_path, extra, note):

@@ -62,21 +62,26 @@ def test_overrides_in_both_spellings():
     assert load_config(None, ["experience.rbound=null"]).experience.rbound is None
 
 
-def test_a_renamed_field_is_read_under_its_new_name_and_said_once(tmp_path, capsys):
+@pytest.mark.parametrize("old,new,value,other", [
+    ("rollout.sync_timeout", "rollout.push_timeout", 30.0, 40.0),
+    ("experience.policy", "experience.replay_policy", "rlep", "prioritized"),
+    ("train.max_skipped_updates", "train.max_skipped_optimizer_steps", 3, 7)])
+def test_a_renamed_field_is_read_under_its_new_name_and_said_once(tmp_path, capsys, old, new, value, other):
     from exgrpo.config import config_changes, config_from_dict
 
-    config = load_config("tiny", ["rollout.sync_timeout=30"])  # an override
-    assert config.rollout.push_timeout == 30.0
-    (tmp_path / "old.yaml").write_text("model: {name: tiny}\nrollout: {sync_timeout: 40}\n")
-    assert load_config(tmp_path / "old.yaml").rollout.push_timeout == 40.0  # a file
+    (section, old_key), new_key = old.split("."), new.split(".")[1]
+    config = load_config("tiny", [f"{old}={value}"])  # an override
+    assert getattr(getattr(config, section), new_key) == value
+    (tmp_path / "old.yaml").write_text(f"model: {{name: tiny}}\n{section}: {{{old_key}: {other}}}\n")
+    assert getattr(getattr(load_config(tmp_path / "old.yaml"), section), new_key) == other  # a file
     stored = config.to_dict()
-    stored["rollout"]["sync_timeout"] = stored["rollout"].pop("push_timeout")  # a run config saved before
-    assert load_config(base=stored).rollout.push_timeout == 30.0  # as `exgrpo train --resume` reads it
+    stored[section][old_key] = stored[section].pop(new_key)  # a run config saved before
+    assert getattr(getattr(load_config(base=stored), section), new_key) == value  # as `exgrpo train --resume` reads it
     assert config_changes(stored, config.to_dict()) == ([], [])  # resuming it changes nothing
     said = capsys.readouterr().err.splitlines()
-    assert said == ["exgrpo: rollout.sync_timeout is now called rollout.push_timeout: read as that"] * 4
-    with pytest.raises(ConfigError, match="rollout.sync_timeout and rollout.push_timeout are both set"):
-        config_from_dict({"rollout": {"sync_timeout": 1, "push_timeout": 2}})
+    assert said == [f"exgrpo: {old} is now called {new}: read as that"] * 4
+    with pytest.raises(ConfigError, match=f"{old} and {new} are both set"):
+        config_from_dict({section: {old_key: value, new_key: other}})
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -129,7 +134,7 @@ def test_a_renamed_field_is_read_under_its_new_name_and_said_once(tmp_path, caps
     (["rollout.max_generation_rounds=3"], "rollout.max_generation_rounds applies to rollout.zero_variance backfill"),
     (["experience.bucket_scheme=uniform", "experience.bucket_sigma=1.0"],
      "experience.bucket_mean and bucket_sigma apply to bucket_scheme normal only"),
-    (["experience.retest_every=10"], "experience.retest_every applies to experience.policy prioritized only"),
+    (["experience.retest_every=10"], "experience.retest_every applies to experience.replay_policy prioritized only"),
     (["guidance.gamma=0.1"], "guidance.members, mode and gamma apply only with guidance.field set"),
     (["objective.engine_correction=auto"], "objective.engine_correction apply to rollout.engine vllm and servers only"),
 ])

@@ -1,4 +1,4 @@
-"""experience.policy: exgrpo, rlep, prioritized and prompt_replay, as units and in the trainer (tiny model)."""
+"""experience.replay_policy: exgrpo, rlep, prioritized and prompt_replay, as units and in the trainer (tiny model)."""
 
 import json
 
@@ -73,9 +73,9 @@ def test_prioritized_retests_the_extremes_every_n_steps_and_round_trips_its_stat
 
 
 def test_policies_need_the_mixed_phase_and_retest_only_with_prioritized():
-    with pytest.raises(ConfigError, match="experience.policy rlep does nothing with experience.ratio 0"):
-        config_from_dict({"experience": {"policy": "rlep", "ratio": 0.0}})
-    with pytest.raises(ConfigError, match="experience.retest_every applies to experience.policy prioritized"):
+    with pytest.raises(ConfigError, match="experience.replay_policy rlep does nothing with experience.ratio 0"):
+        config_from_dict({"experience": {"replay_policy": "rlep", "ratio": 0.0}})
+    with pytest.raises(ConfigError, match="experience.retest_every applies to experience.replay_policy prioritized"):
         config_from_dict({"experience": {"retest_every": 3}})
 
 
@@ -89,7 +89,7 @@ def _trainer(policy, steps=6, **experience):
         "rollout": {"num_generations": K, "max_completion_length": 4},
         "train": {"steps": steps, "prompts_per_step": 4, "mini_batches": 1, "micro_batch_size": 16,
                   "learning_rate": 1e-3, "seed": 3},
-        "experience": {"start_threshold": 0.0, "policy": policy, **experience},
+        "experience": {"start_threshold": 0.0, "replay_policy": policy, **experience},
         "logging": {"output_dir": "run", "progress": False, "tensorboard": False, "sample_every": 0}})
     model, tok = load_policy("tiny:0")
     return ExGRPOTrainer(model, tok, [first_char], config, make_questions(12))

@@ -160,7 +160,7 @@ def test_behaviour_logprobs_come_from_the_sampling_policy_without_dropout(questi
     model.train()
     result = _update(model)(batch, torch.tensor([0.5, -0.5, 0.25, -0.25] * 2), LossSettings(), True,
                             np.random.default_rng(0), StageTimer())
-    torch.testing.assert_close(result.behaviour_logp, expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(result.old_logp, expected, atol=1e-6, rtol=0)
     assert not math.isclose(result.stats["ratio/mean"], 1.0, abs_tol=1e-4)  # training forwards had dropout
 
 

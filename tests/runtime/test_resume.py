@@ -65,6 +65,13 @@ def test_resume_without_checkpoint_is_an_error(tmp_path):
     assert result.returncode == 2 and "no run there" in result.stderr
 
 
+def test_a_checkpoint_written_before_a_rename_reads_under_the_new_names(tmp_path):
+    from exgrpo.runtime.checkpoint import read_trainer_json
+
+    (tmp_path / "trainer.json").write_text(json.dumps({"step": 3, "solved": ["q0"], "skipped_updates": 1}))
+    assert read_trainer_json(tmp_path) == {"step": 3, "ever_correct": ["q0"], "skipped_optimizer_steps": 1}
+
+
 def _check_resumable(run) -> None:
     """Every complete checkpoint loads, and the trainer resumed from the newest holds exactly its buffer."""
     for ckpt in checkpoint_dirs(run):

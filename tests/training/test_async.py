@@ -179,7 +179,7 @@ def test_stale_fresh_tokens_are_weighted_by_truncated_importance_sampling_agains
     trainer.train_step()  # sampled from the weights before step 0's update: off-policy by one step
     record = trainer.last_step
     engine_logp, mask = record.batch.engine_logp, record.batch.engine_mask
-    w = torch.exp(record.update.behaviour_logp - engine_logp).clamp(max=1.5)[mask]
+    w = torch.exp(record.update.old_logp - engine_logp).clamp(max=1.5)[mask]
     assert record.update.stats["tis/weight_mean"] == pytest.approx(float(w.mean()), rel=1e-5)
     assert record.update.stats["tis/truncated_fraction"] == pytest.approx(float((w >= 1.5).float().mean()))
     assert float((w - 1).abs().max()) > 1e-4  # really off-policy: not all weights are 1

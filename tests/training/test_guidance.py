@@ -119,13 +119,17 @@ def test_k_counts_the_policys_own_members_and_demonstrations_are_never_stored(ti
 def test_fallback_stops_guiding_a_question_once_the_policy_solves_it(tiny_policy, scripted_engine):
     trainer, _, _ = _trainer(tiny_policy, scripted_engine, [["ab"], ["ab"]], ["ab", "b"], mode="fallback")
     first, _ = trainer.train_step()
-    assert first["guidance/demonstrations"] == 2 and trainer.experience.solved == {"q0"}  # each question's one demonstration
+    assert first["guidance/demonstrations"] == 2  # each question's one demonstration
+    assert trainer.experience.ever_correct == {"q0"}
     assert not trainer.experience.buffer.is_retired("q0")
     second, _ = trainer.train_step()
-    assert second["guidance/demonstrations"] == 1  # q1 only: q0 has been solved by the policy itself
+    assert second["guidance/demonstrations"] == 1  # q1 only: the policy has answered q0 correctly itself
     restored, _, _ = _trainer(tiny_policy, scripted_engine, [["ab"], ["ab"]], ["ab", "b"], mode="fallback")
     restored.load_state_dict(trainer.state_dict())
-    assert restored.experience.solved == {"q0"}
+    assert restored.experience.ever_correct == {"q0"}
+    from exgrpo.runtime.checkpoint import RENAMED_STATE  # old checkpoints are read under the names written now
+
+    assert set(RENAMED_STATE.values()) <= set(trainer.state_dict()["trainer"])
 
 
 def test_pack_groups_marks_demonstrations_as_off_policy_rows(tiny_policy, scripted_engine):
@@ -142,13 +146,13 @@ def test_the_delayed_start_reads_the_pass_at_1_of_the_policys_own_members(tiny_p
     trainer, _, _ = _trainer(tiny_policy, scripted_engine, [["ab", "ac"], ["ab", "ac"]], ["b", "b"],
                              experience={"start_threshold": 0.35})
     metrics, _ = trainer.train_step()
-    assert metrics["batch/solved"] == 0.5  # the step's members, demonstrations included
+    assert metrics["batch/pass_at_1"] == 0.5  # the step's members, demonstrations included
     assert trainer.experience.phase == "warmup"  # the policy's own Pass@1 is 0
 
 
 def test_replay_metrics_and_the_replay_policy_see_no_demonstrations(tiny_policy, scripted_engine):
     trainer, _, _ = _trainer(tiny_policy, scripted_engine, [["ab"], ["ab"]], ["b", "ab"],
-                             experience={"start_threshold": 0.9, "policy": "prioritized"})
+                             experience={"start_threshold": 0.9, "replay_policy": "prioritized"})
     metrics, _ = trainer.train_step()
     assert metrics["guidance/demonstrations"] == 2
     assert not any(k.startswith("replay/") for k in metrics)  # no replayed trajectory in the step

@@ -18,6 +18,16 @@ def test_registry_patterns():
     assert len({m.name for m in METRICS}) == len(METRICS)
 
 
+def test_a_metrics_file_written_before_a_rename_reads_under_the_new_names(tmp_path):
+    from exgrpo.runtime.tracking import RENAMED_METRICS, read_metrics
+
+    assert all(definition(new) and not definition(old) for old, new in RENAMED_METRICS.items())
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "batch/solved": 0.5, "coverage/solved": 3.0}\n{"step": 2, "batch/pass_at_1": 0.25}\n')
+    assert read_metrics(path) == [{"step": 1, "batch/pass_at_1": 0.5, "coverage/ever_correct": 3.0},
+                                  {"step": 2, "batch/pass_at_1": 0.25}]
+
+
 def test_every_key_a_mixed_phase_run_logs_is_defined(tiny_policy, questions, tmp_path):
     """A tiny run through warm-up, the switch and replays, with held-out evaluation and replica checks."""
     from exgrpo.config import config_from_dict

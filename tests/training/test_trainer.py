@@ -68,7 +68,7 @@ def test_warmup_switch_collection_and_replay(tmp_path):
                 assert np.array_equal(replays[0].replay.logprobs, recorded)
         assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
     # the first step is warm-up; its Pass@1 > 0.1 switches; collection from step 2, replay from step 3
-    assert log[0]["phase"] == WARMUP and log[0]["batch/solved"] > 0.1
+    assert log[0]["phase"] == WARMUP and log[0]["batch/pass_at_1"] > 0.1
     assert all(m["phase"] == MIXED for m in log[1:])
     assert log[0]["experience/trajectories"] == 0 and log[0]["experience/replayed"] == 0
     assert log[1]["experience/replayed"] == 0 and log[1]["experience/trajectories"] > 0

@@ -9,7 +9,8 @@ from exgrpo.errors import ConfigError
 
 #: renamed fields, old dotted name -> new: a file, an override or a stored run config (`--resume`) that still uses
 #: the old name is read with the new one, saying so once
-RENAMED = {"rollout.sync_timeout": "rollout.push_timeout"}
+RENAMED = {"rollout.sync_timeout": "rollout.push_timeout", "experience.policy": "experience.replay_policy",
+           "train.max_skipped_updates": "train.max_skipped_optimizer_steps"}
 
 
 def renamed_key(dotted: str) -> str:

@@ -243,10 +243,10 @@ def _experience_rules(cfg, given: set[str]):
     yield _optional_at_least("experience.max_questions", e.max_questions, 1)
     yield _at_least("experience.selection_batch_size", e.selection_batch_size, 1)
     yield _at_least("experience.retest_every", e.retest_every, 0)
-    yield e.policy == "prioritized" or not _set_any(given, "experience.retest_every"), \
-        "experience.retest_every applies to experience.policy prioritized only"
-    yield e.policy == "exgrpo" or e.ratio > 0, \
-        (f"experience.policy {e.policy} does nothing with experience.ratio 0 (plain GRPO): the mixed "
+    yield e.replay_policy == "prioritized" or not _set_any(given, "experience.retest_every"), \
+        "experience.retest_every applies to experience.replay_policy prioritized only"
+    yield e.replay_policy == "exgrpo" or e.ratio > 0, \
+        (f"experience.replay_policy {e.replay_policy} does nothing with experience.ratio 0 (plain GRPO): the mixed "
          "phase, where replay policies act, needs experience.ratio > 0")
 
 
@@ -286,7 +286,7 @@ def _train_eval_and_logging_rules(cfg):
          f"optimizer steps (got {t.warmup_steps})")
     yield _positive("train.max_grad_norm", t.max_grad_norm)
     yield _positive("train.skip_grad_norm", t.skip_grad_norm)
-    yield _at_least("train.max_skipped_updates", t.max_skipped_updates, 0)
+    yield _at_least("train.max_skipped_optimizer_steps", t.max_skipped_optimizer_steps, 0)
     yield _at_least("train.seed", t.seed, 0)
     yield _at_least("train.save_every", t.save_every, 0)
     yield _at_least("train.save_total_limit", t.save_total_limit, 1)
@@ -321,7 +321,7 @@ def engine_precision(cfg) -> str:
 
 # Changing these on resume leaves the algorithm as it was: length, bookkeeping, memory, speed and sharding.
 RESUMABLE_CHANGES = ("train.steps", "train.save_every", "train.save_total_limit", "train.threads",
-                     "train.check_replicas", "train.max_skipped_updates", "train.micro_batch_size",
+                     "train.check_replicas", "train.max_skipped_optimizer_steps", "train.micro_batch_size",
                      "train.max_tokens_per_micro_batch", "train.logprob_chunk_tokens", "train.activation_checkpointing",
                      "train.sharding",
                      "rollout.generation_batch_size", "rollout.gpu_memory_utilization", "rollout.kv_cache_gb",

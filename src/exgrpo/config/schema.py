@@ -216,7 +216,7 @@ class ObjectiveConfig:
 class ExperienceConfig:
     ratio: float = 0.5
     """Fraction of each batch's questions drawn from the buffer; 0 gives plain GRPO."""
-    policy: Literal["exgrpo", "rlep", "prioritized", "prompt_replay"] = "exgrpo"
+    replay_policy: Literal["exgrpo", "rlep", "prioritized", "prompt_replay"] = "exgrpo"
     """The replay policy (docs/replay.md): exgrpo (buckets + one replayed trajectory per experiential group), rlep
     (every fresh question with stored successes replays one; no experiential questions), prioritized (re-ask
     questions with priority p(1-p), all members fresh), prompt_replay (re-ask bucket-sampled questions, all
@@ -265,7 +265,7 @@ class GuidanceConfig:
     """Demonstrations per group at most (the other members are fresh rollouts); 1 .. num_generations - 1."""
     mode: Literal["always", "fallback"] = "always"
     """always: every fresh group of a question with demonstrations gets them, from step 0 (LUFFY); fallback: only
-    while the policy has not solved the question itself (no correct rollout of its own yet in this run)."""
+    while the policy has no correct rollout of its own for the question yet in this run."""
     gamma: float = 0.1
     """Shaping of demonstration tokens: the loss weighs them by f(pi) = pi / (pi + gamma), pi the current policy's
     probability of the token (their behaviour probability is unknown)."""
@@ -312,7 +312,7 @@ class TrainConfig:
     """Clip the global gradient norm to this."""
     skip_grad_norm: float = 500.0
     """Skip the update when the grad norm is non-finite or above this (.inf: never skip a finite one)."""
-    max_skipped_updates: int = 5
+    max_skipped_optimizer_steps: int = 5
     """Stop with an error once more optimizer steps than this have been skipped in the run."""
     seed: int = 47
     """Seeds the data order, batch composition, rollouts and held-out sampling."""

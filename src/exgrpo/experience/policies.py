@@ -1,4 +1,4 @@
-"""Replay policies (`experience.policy`): which questions a mixed-phase batch re-asks, and whether a stored
+"""Replay policies (`experience.replay_policy`): which questions a mixed-phase batch re-asks, and whether a stored
 trajectory joins their group. Every policy sits on the same buffer; the trainer asks it three things:
 
 * `experiential(n, rng, step)`: up to n question ids to re-ask this step, drawn from what the policy tracks;
@@ -129,13 +129,13 @@ class PrioritizedReplay:
 def replay_policy_from_config(experience, buffer: ExperienceBuffer, num_generations: int) -> ReplayPolicy:
     """The policy the `experience` config section names, with its bucket scheme and retest settings."""
     e = experience
-    return build_replay_policy(e.policy, buffer, num_generations=num_generations, scheme=e.bucket_scheme,
+    return build_replay_policy(e.replay_policy, buffer, num_generations=num_generations, scheme=e.bucket_scheme,
                                sigma=e.bucket_sigma, mean=e.bucket_mean, retest_every=e.retest_every)
 
 
 def build_replay_policy(name: str, buffer: ExperienceBuffer, *, num_generations: int, scheme: str = "normal",
                         sigma: float = 1.0, mean: float | None = None, retest_every: int = 10) -> ReplayPolicy:
-    """The policy `experience.policy` names (the bucket scheme's settings and retest_every as in its config)."""
+    """The policy `experience.replay_policy` names (the bucket scheme's settings and retest_every as in its config)."""
     K = num_generations
     if name == "exgrpo":
         return BucketReplay(buffer, K, scheme, sigma, mean)
@@ -145,4 +145,4 @@ def build_replay_policy(name: str, buffer: ExperienceBuffer, *, num_generations:
         return SuccessReplay()
     if name == "prioritized":
         return PrioritizedReplay(K, retest_every)
-    raise ValueError(f"unknown experience.policy {name!r}")
+    raise ValueError(f"unknown experience.replay_policy {name!r}")

@@ -76,7 +76,7 @@ def plan_micro_batches(rows: torch.Tensor, prompt_lengths: torch.Tensor, complet
 @dataclass
 class UpdateResult:
     stats: dict[str, float]  # merged loss statistics, `loss` (summed over micro-batches) and mean `grad_norm`
-    behaviour_logp: torch.Tensor  # (N, T) pre-update log-probs of every row of the batch
+    old_logp: torch.Tensor  # (N, T) pre-update log-probs of every row: what collection stores as behaviour log-probs
     token_entropy: torch.Tensor  # (N, T) token entropies from the training forward passes (0 off completions)
 
 
@@ -156,12 +156,12 @@ class Learner:
         self.scheduler = get_scheduler(train.lr_scheduler, self.optimizer, num_warmup_steps=train.warmup_steps,
                                        num_training_steps=train.steps * train.mini_batches)
         self.optimizer_steps = 0
-        self.skipped_updates = 0
+        self.skipped_optimizer_steps = 0
 
     @property
     def weights_version(self) -> int:
         """The optimizer steps applied to the weights so far (skipped ones change nothing)."""
-        return self.optimizer_steps - self.skipped_updates
+        return self.optimizer_steps - self.skipped_optimizer_steps
 
     @property
     def learning_rate(self) -> float:
@@ -328,11 +328,11 @@ class Learner:
         norm = self.parallel.clip_gradients(self.params, self.train.max_grad_norm)
         applied = math.isfinite(norm) and norm <= self.train.skip_grad_norm
         if not applied:
-            self.skipped_updates += 1
-            if self.skipped_updates > self.train.max_skipped_updates:
-                raise TrainingError(f"{self.skipped_updates} optimizer steps skipped (gradient norm {norm:g}: "
+            self.skipped_optimizer_steps += 1
+            if self.skipped_optimizer_steps > self.train.max_skipped_optimizer_steps:
+                raise TrainingError(f"{self.skipped_optimizer_steps} optimizer steps skipped (gradient norm {norm:g}: "
                                     f"non-finite or above train.skip_grad_norm {self.train.skip_grad_norm:g}), more "
-                                    f"than train.max_skipped_updates {self.train.max_skipped_updates}")
+                                    f"than train.max_skipped_optimizer_steps {self.train.max_skipped_optimizer_steps}")
         else:
             self.optimizer.step()
             if not self.parallel.all_finite(self.params):
@@ -347,9 +347,9 @@ class Learner:
         """Optimizer state keyed by parameter name (independent of sharding), scheduler, counters. Every rank
         must call it under FSDP."""
         return {"optimizer": self.parallel.optimizer_state(self.optimizer), "scheduler": self.scheduler.state_dict(),
-                "optimizer_steps": self.optimizer_steps, "skipped_updates": self.skipped_updates}
+                "optimizer_steps": self.optimizer_steps, "skipped_optimizer_steps": self.skipped_optimizer_steps}
 
     def load_state_dict(self, state: dict) -> None:
         self.parallel.load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self.optimizer_steps, self.skipped_updates = state["optimizer_steps"], state["skipped_updates"]
+        self.optimizer_steps, self.skipped_optimizer_steps = state["optimizer_steps"], state["skipped_optimizer_steps"]

@@ -169,9 +169,14 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+#: trainer.json keys renamed, old -> new: a checkpoint written before a rename is read under the new names
+RENAMED_STATE = {"solved": "ever_correct", "skipped_updates": "skipped_optimizer_steps"}
+
+
 def read_trainer_json(directory: str | Path) -> dict:
     """The `trainer` part of a checkpoint (its resolved config under "config")."""
-    return json.loads((Path(directory) / "trainer.json").read_text())
+    trainer = json.loads((Path(directory) / "trainer.json").read_text())
+    return {RENAMED_STATE.get(key, key): value for key, value in trainer.items()}
 
 
 def load_checkpoint(directory: str | Path, model, read_buffer: Callable[[Path], dict], verified: bool = False) -> dict:

@@ -97,9 +97,16 @@ class Tracker:
             self._wandb.finish()
 
 
+#: metrics renamed, old name -> new: lines a run wrote before (or before its resume) are read under the new name
+RENAMED_METRICS = {"batch/solved": "batch/pass_at_1", "coverage/solved": "coverage/ever_correct",
+                   "skipped_updates": "skipped_optimizer_steps"}
+
+
 def read_metrics(path: str | Path) -> list[dict]:
+    """The lines of a `metrics.jsonl` (or `samples.jsonl`), metrics under their current names."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [json.loads(line) for line in f if line.strip()]
+    return [{RENAMED_METRICS.get(key, key): value for key, value in line.items()} for line in lines]
 
 
 def truncate_metrics(run_dir: str | Path, step: int) -> None:

@@ -132,7 +132,7 @@ def _analyses(arms: dict[str, list[RunResult]], names: list[str], out: Path, ste
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.4))
     for name in names:
         label = arms[name][0].arm.label
-        for ax, key in ((axes[0], "coverage/solved"), (axes[1], "generation/zero_variance_fraction")):
+        for ax, key in ((axes[0], "coverage/ever_correct"), (axes[1], "generation/zero_variance_fraction")):
             _band(ax, *_series(arms[name], key), label)
         for key, kind in (("entropy/fresh_correct", "fresh correct"), ("entropy/replayed", "replayed")):
             steps, rows = _series(arms[name], key)
@@ -236,7 +236,7 @@ def analyses_table(arms: dict[str, list[RunResult]], names: list[str]) -> list[s
                 if "generation/zero_variance_fraction" in m]
         lines.append(f"| {runs[0].arm.label} | {np.mean([r.history[-1]['step'] for r in runs]):.1f} | "
                      f"{np.mean([r.fresh_rollouts()[-1] for r in runs]):.0f} | "
-                     f"{np.mean([r.history[-1].get('coverage/solved', np.nan) for r in runs]):.1f} | "
+                     f"{np.mean([r.history[-1].get('coverage/ever_correct', np.nan) for r in runs]):.1f} | "
                      + (f"{100 * np.mean(zero):.1f}%" if zero else "—") + " | "
                      f"{mean_of('entropy/replayed', both)} | {mean_of('entropy/fresh_correct', fresh)} |")
     return lines

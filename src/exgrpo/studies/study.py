@@ -42,9 +42,9 @@ def idle_settings(config: ExGRPOConfig, history: list[dict]) -> list[str]:
     if not history or config.experience.ratio == 0:
         return []
     if mixed_phase_start(history) is None:
-        best = max(m["batch/solved"] for m in history)
-        return [f"the mixed phase never started: batch Pass@1 (batch/solved) reached at most {best:.2f}, never above "
-                f"experience.start_threshold {config.experience.start_threshold}, so nothing was replayed and "
+        best = max(m["batch/pass_at_1"] for m in history)
+        return [f"the mixed phase never started: batch Pass@1 (batch/pass_at_1) reached at most {best:.2f}, never "
+                f"above experience.start_threshold {config.experience.start_threshold}, so nothing was replayed and "
                 "this run was GRPO"]
     if sum(m["experience/replayed"] for m in history) == 0:
         return ["the mixed phase started but replayed nothing: no question had a stored trajectory in a bucket the "

@@ -62,7 +62,7 @@ class ExperienceSide:
         self.selection_metric, self.choose = SELECTION_METRICS[e.selection_metric], SELECTION_MODES[e.selection_mode]
         self.refills_from_buffer = ZERO_VARIANCE_RULES[c.rollout.zero_variance].from_buffer
         self.retires = e.retirement != "none"
-        self.solved: set[str] = set()  # questions with a correct rollout of the policy's own (coverage, guidance)
+        self.ever_correct: set[str] = set()  # questions with a correct rollout of the policy's own (coverage, guidance)
         self.phase = WARMUP
 
     def plan(self, step: int, version: int, in_flight: frozenset[str] = frozenset(),
@@ -99,7 +99,7 @@ class ExperienceSide:
         with timer("selection"):
             replays = self.select_replays(replayed, rng)
         groups = form_groups(list(zip(replayed, replays)), plain, self.prompt_ids)
-        self.guidance.add(groups, step, self.solved)
+        self.guidance.add(groups, step, self.ever_correct)
         return groups
 
     def select_replays(self, questions: Sequence[Question], rng: np.random.Generator) -> list[Trajectory]:
@@ -110,7 +110,7 @@ class ExperienceSide:
     def settle(self, groups: list[Group], correct: np.ndarray, step: int) -> int:
         """A generation round's outcome, dropped groups included: questions whose own members are all correct are
         retired (spec §2; returns how many now) unless experience.retirement is none; each question's k goes to the
-        replay policy; questions with a correct rollout of the policy's own are marked solved (coverage; guidance
+        replay policy; questions with a correct rollout of the policy's own are marked ever correct (coverage; guidance
         fallback)."""
         retired = 0
         for g, ok, own in zip(groups, correct, own_members(groups)):
@@ -120,7 +120,7 @@ class ExperienceSide:
                 retired += 1
             self.replay_policy.observe(g.question.id, k, step)
             if k:
-                self.solved.add(g.question.id)
+                self.ever_correct.add(g.question.id)
         return retired
 
     def refill(self, n: int, planned: PlannedStep, asked: frozenset[str], timer: StageTimer) -> list[Group]:
@@ -133,25 +133,25 @@ class ExperienceSide:
         return self.build_groups(experiential, fresh, planned.phase, planned.rng, timer, planned.step)
 
     def collect_step(self, planned: PlannedStep, groups: list[Group], correct: np.ndarray,
-                     completion_mask: torch.Tensor, behaviour_logp: torch.Tensor, version: int) -> None:
+                     completion_mask: torch.Tensor, old_logp: torch.Tensor, version: int) -> None:
         """Stage 10: the trained groups into the buffer (`collect`) in the mixed phase; nothing in the warm-up.
         `completion_mask`: (G*K, T) of the packed batch."""
         if planned.phase == MIXED:
-            self.collect(groups, correct, completion_mask.sum(-1).to(torch.long).tolist(), behaviour_logp,
+            self.collect(groups, correct, completion_mask.sum(-1).to(torch.long).tolist(), old_logp,
                          planned.step, version)
 
-    def collect(self, groups: list[Group], correct: np.ndarray, lengths: list[int], behaviour_logp: torch.Tensor,
+    def collect(self, groups: list[Group], correct: np.ndarray, lengths: list[int], old_logp: torch.Tensor,
                 step: int, version: int) -> None:
-        """Move each group's question to its bucket and store its new correct trajectories with their behaviour
-        log-probs (`behaviour_logp`: (G*K, T), rows in group order, the first `lengths[row]` of each valid: the
-        pre-update policy's, at weights `version`); count a use of each replayed trajectory. Demonstrations are
+        """Move each group's question to its bucket and store its new correct trajectories with behaviour
+        log-probs, the pre-update policy's at weights `version` (`old_logp`: (G*K, T), rows in group order, the
+        first `lengths[row]` of each valid); count a use of each replayed trajectory. Demonstrations are
         neither counted in k nor stored: the buffer holds the policy's own trajectories."""
         row = 0
         for g, ok, own in zip(groups, correct, own_members(groups)):
             ids, lps = [], []
             for m in g.members:
                 ids.append(np.asarray(m.completion_ids, dtype=np.int32))
-                lps.append(behaviour_logp[row, :lengths[row]].numpy())
+                lps.append(old_logp[row, :lengths[row]].numpy())
                 row += 1
             if g.members[0].replay is not None and g.question.id in self.buffer:
                 self.buffer.record_replay(g.question.id, ids[0])
@@ -168,7 +168,8 @@ class ExperienceSide:
     def state_dict(self) -> dict:
         """{"trainer": the JSON-able part, "buffer": the buffer's state}."""
         return {"trainer": {"phase": self.phase, "pool": self.question_pool.state_dict(),
-                            "replay_policy": self.replay_policy.state_dict(), "solved": sorted(self.solved)},
+                            "replay_policy": self.replay_policy.state_dict(),
+                            "ever_correct": sorted(self.ever_correct)},
                 "buffer": self.buffer.state_dict()}
 
     def load_state_dict(self, trainer: dict, buffer: dict) -> None:
@@ -176,4 +177,4 @@ class ExperienceSide:
         self.phase = trainer["phase"]
         self.question_pool.load_state_dict(trainer["pool"])
         self.replay_policy.load_state_dict(trainer.get("replay_policy", {}))
-        self.solved = set(trainer.get("solved", []))
+        self.ever_correct = set(trainer.get("ever_correct", []))

@@ -48,7 +48,7 @@ def demonstration_ids(questions: Sequence[Question], field: str, tokenizer,
 class Guidance:
     """The run's demonstrations (per question id, completion token ids) and how they join groups: up to `members`
     of them become the first members of a group that replays nothing; with mode `fallback` only while the policy
-    has not solved the question itself."""
+    has no correct rollout of its own for the question."""
 
     def __init__(self, demonstrations: dict[str, list[list[int]]], *, members: int = 1, mode: str = "always"):
         self.demonstrations, self.members, self.mode = demonstrations, members, mode
@@ -68,12 +68,12 @@ class Guidance:
     def __bool__(self) -> bool:
         return bool(self.demonstrations)
 
-    def add(self, groups: Sequence[Group], step: int, solved: set[str]) -> None:
-        """Put demonstrations into `groups` (rotating through a question's demonstrations with `step`); `solved`:
-        the questions the policy has solved itself."""
+    def add(self, groups: Sequence[Group], step: int, ever_correct: set[str]) -> None:
+        """Put demonstrations into `groups` (rotating through a question's demonstrations with `step`);
+        `ever_correct`: the questions with a correct rollout of the policy's own so far."""
         for group in groups:
             demos = self.demonstrations.get(group.question.id)
-            if not demos or group.members or (self.mode == "fallback" and group.question.id in solved):
+            if not demos or group.members or (self.mode == "fallback" and group.question.id in ever_correct):
                 continue
             group.members = [Member(list(demos[(step + j) % len(demos)]), demonstration=True)
                              for j in range(min(self.members, len(demos)))]

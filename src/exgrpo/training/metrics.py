@@ -14,6 +14,7 @@ import torch
 from exgrpo.experience import ExperienceBuffer
 from exgrpo.tensors import PackedBatch
 from exgrpo.learner.learner import UpdateResult
+from exgrpo.runtime.tracking import RENAMED_METRICS
 from exgrpo.records import Group, GroupRewards
 from exgrpo.training.generation import GenerationStats
 
@@ -47,7 +48,7 @@ METRICS: tuple[Metric, ...] = tuple(
         ("reward_std", "Mean over groups of the standard deviation (ddof 0) of the K rewards within a group."),
         ("frac_reward_zero_std", "Fraction of groups whose K rewards are all equal: their advantages are 0, so "
                                  "they contribute no policy gradient (only the entropy bonus)."),
-        ("batch/solved", "Fraction of the step's group members counted correct (reward ≥ "
+        ("batch/pass_at_1", "Fraction of the step's group members counted correct (reward ≥ "
                          "`reward.success_threshold`): the batch Pass@1 that the delayed start compares with "
                          "`experience.start_threshold`."),
         ("completions/mean_length", "Mean completion length in tokens over all group members (EOS included)."),
@@ -64,7 +65,7 @@ METRICS: tuple[Metric, ...] = tuple(
         ("loss", "The optimised loss, summed over micro-batches and mini-batches (and ranks)."),
         ("grad_norm", "Mean over the step's optimizer steps of the global gradient norm before clipping."),
         ("learning_rate", "The scheduler's learning rate after the step."),
-        ("skipped_updates", "Optimizer steps skipped so far because the gradient norm was non-finite or above "
+        ("skipped_optimizer_steps", "Optimizer steps skipped so far because the gradient norm was non-finite or above "
                             "`train.skip_grad_norm` (cumulative)."),
         ("entropy", "Mean per-token entropy (nats, temperature `rollout.temperature`) of the current policy over "
                     "all completion tokens, from the training forward passes."),
@@ -143,8 +144,8 @@ METRICS: tuple[Metric, ...] = tuple(
         ("experience/replayed", "Experiential questions in this step, i.e. replayed trajectories (one each)."),
         ("experience/replay_fraction", "Experiential groups / all groups of the step."),
         ("fresh_questions_remaining", "Training questions not retired (the pool fresh questions come from)."),
-        ("coverage/solved", "Distinct training questions with at least one correct rollout of the policy's own so "
-                            "far (demonstrations and replays do not count)."),
+        ("coverage/ever_correct", "Distinct training questions with at least one correct rollout of the policy's "
+                                  "own so far (demonstrations and replays do not count)."),
     ) + _section(
         "Time (seconds of wall time in the step)",
         ("time/step", "The whole step."),
@@ -188,6 +189,11 @@ def markdown() -> str:
         lines += [f"## {section}", "", "| metric | meaning |", "|---|---|"]
         lines += [f"| `{m.name}` | {m.meaning} |" for m in METRICS if m.section == section]
         lines.append("")
+    lines += ["## Renamed", "", "A `metrics.jsonl` written before a rename is read under the new names by exgrpo's "
+              "reports (`exgrpo.runtime.tracking.read_metrics`); TensorBoard keeps the old tags of those steps.", "",
+              "| old name | new name |", "|---|---|"]
+    lines += [f"| `{old}` | `{new}` |" for old, new in RENAMED_METRICS.items()]
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -207,8 +213,8 @@ class StepRecord:
 
 
 def step_metrics(record: StepRecord, buffer: ExperienceBuffer, *, step: int, version: int, fresh_remaining: int,
-                 learning_rate: float, skipped_updates: int, solved: int, guidance: bool, timings: dict[str, float],
-                 elapsed: float) -> dict:
+                 learning_rate: float, skipped_optimizer_steps: int, ever_correct: int, guidance: bool,
+                 timings: dict[str, float], elapsed: float) -> dict:
     """The metrics of one step (0-based index `step`, learner weights at `version` before its update; see
     METRICS), the buffer and counters as they are after it; `timings` holds the `time/<stage>` seconds, `elapsed`
     the step's wall time."""
@@ -223,11 +229,11 @@ def step_metrics(record: StepRecord, buffer: ExperienceBuffer, *, step: int, ver
         "reward": float(rewards.total.mean()),
         "reward_std": float(group_std.mean()),
         "frac_reward_zero_std": float((group_std == 0).mean()),
-        "batch/solved": float(record.correct.mean()),
+        "batch/pass_at_1": float(record.correct.mean()),
         "completions/mean_length": float(lengths.mean()),
         "completions/clipped_ratio": float(np.mean(truncated)) if truncated else 0.0,
         "learning_rate": learning_rate,
-        "skipped_updates": float(skipped_updates),
+        "skipped_optimizer_steps": float(skipped_optimizer_steps),
         "experience/questions": float(len(buffer)),
         "experience/trajectories": float(buffer.num_trajectories),
         "experience/retired": float(buffer.num_retired),
@@ -243,7 +249,7 @@ def step_metrics(record: StepRecord, buffer: ExperienceBuffer, *, step: int, ver
         **timings,
         **record.update.stats,
         **record.generation.metrics(),
-        "coverage/solved": float(solved),
+        "coverage/ever_correct": float(ever_correct),
         **trajectory_entropy_metrics(groups, record.correct, batch, record.update.token_entropy),
         **replay_age_metrics(groups, step, version),
     }

@@ -1,7 +1,7 @@
 """The ExGRPO training loop (spec §1). `ExGRPOTrainer.train_step` is the algorithm, one line per stage:
 
   1. sample experiential questions from the buffer's correctness buckets (mixed phase only; the replay policy,
-     `experience.policy`, decides which);
+     `experience.replay_policy`, decides which);
   2. draw exactly B - n_exp fresh questions; form the groups, selecting for each experiential question the stored
      trajectory to replay (lowest mean token entropy under the current policy) as member 0, and adding the
      data's reference solutions where `guidance` asks for them;
@@ -137,7 +137,7 @@ class ExGRPOTrainer:
             self.source.push(self.learner.weights_version)  # 10
         with timer("buffer"):
             self.experience.collect_step(planned, generated.groups, generated.correct, batch.completion_mask,  # 11
-                                         update.behaviour_logp, version)
+                                         update.old_logp, version)
         self.experience.switch_phase(generated.stats.first_round_pass_at_1)  # 12
         record = StepRecord(planned.phase, generated.groups, generated.rewards, generated.correct, advantages,
                             batch, update, generated.stats)
@@ -158,16 +158,16 @@ class ExGRPOTrainer:
         c, experience, step = self.config, self.experience, self.step
         self.step, self.last_step = step + 1, record
         metrics = step_metrics(record, experience.buffer, step=step, version=version,
-                               fresh_remaining=experience.question_pool.remaining, solved=len(experience.solved),
-                               learning_rate=self.learner.learning_rate, skipped_updates=self.learner.skipped_updates,
+                               fresh_remaining=experience.question_pool.remaining,
+                               ever_correct=len(experience.ever_correct), learning_rate=self.learner.learning_rate,
+                               skipped_optimizer_steps=self.learner.skipped_optimizer_steps,
                                guidance=bool(experience.guidance), timings=timer.metrics(), elapsed=elapsed)
         if planned.version == version:  # engine and trainer on the same weights: not on rollouts of older ones
             metrics.update(self.parity(step, record.batch.engine_logp, record.batch.engine_mask,
-                                       record.update.behaviour_logp))
+                                       record.update.old_logp))
         metrics.update(self.source.step_metrics(record.groups, version))
         if c.train.check_replicas:
-            metrics.update(check_replicas(self.dist, self.step, experience.buffer.fingerprint(),
-                                          self.learner.replica))
+            metrics.update(check_replicas(self.dist, self.step, experience.buffer.fingerprint(), self.learner.replica))
         log_samples = c.logging.sample_every and self.step % c.logging.sample_every == 0
         return metrics, sample_lines(record.groups, record.rewards.total, self.tokenizer) if log_samples else []
 
@@ -264,7 +264,7 @@ class ExGRPOTrainer:
         "buffer": the experience buffer's state}."""
         learner, experience = self.learner.state_dict(), self.experience.state_dict()
         trainer = {"step": self.step, **experience["trainer"], "optimizer_steps": learner.pop("optimizer_steps"),
-                   "skipped_updates": learner.pop("skipped_updates"), "config": self.config.to_dict()}
+                   "skipped_optimizer_steps": learner.pop("skipped_optimizer_steps"), "config": self.config.to_dict()}
         if in_flight := self.schedule.state_dict():
             trainer["in_flight"] = in_flight
         return {"trainer": trainer, "optimizer": learner, "buffer": experience["buffer"]}
@@ -272,7 +272,7 @@ class ExGRPOTrainer:
     def load_state_dict(self, state: dict) -> None:
         trainer = state["trainer"]
         self.learner.load_state_dict({**state["optimizer"], "optimizer_steps": trainer["optimizer_steps"],
-                                     "skipped_updates": trainer["skipped_updates"]})
+                                     "skipped_optimizer_steps": trainer["skipped_optimizer_steps"]})
         self.experience.load_state_dict(trainer, state["buffer"])
         self.step = trainer["step"]
         questions = self.experience.question_pool.questions
