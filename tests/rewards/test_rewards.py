@@ -156,8 +156,25 @@ def test_grade_math_reads_an_answer_that_starts_an_equation_as_its_result(comple
     assert grade_math(completion, "9", question=NINE) == expected
 
 
+THREE = "State the final answer to the following arithmetic problem: 6 + 0 - 3 ="
+LIST_CASES = [  # math-verify reads "final answer" across the line break: the next item's number
+    ("1. 6 - 6 = 1\n2. Then, subtract 1 from 1, which gives 6 as final answer \n3. This is a task 6 smoke.", 0.0),
+    ("so it gives 6 as final answer\n  3) This is it", 0.0),
+    ("Steps:\n3. Subtract: 6 - 3 = 4", 0.0),
+    ("1. 6 + 0 = 6\n2. 6 - 3 = 3", 1.0),  # 3 is written as a result too
+    ("1. 6 + 0 = 6\n2. 6 - 3 = 3\n3. The final answer is 3.", 1.0),
+    ("The final answer is:\n3.", 1.0),  # a line of its own, not an item
+]
+
+
+@pytest.mark.parametrize(("completion", "expected"), LIST_CASES)
+def test_grade_math_does_not_read_a_list_items_number_as_the_answer(completion, expected):
+    assert grade_math(completion, "3", question=THREE) == expected
+
+
 def test_without_the_question_the_released_reward_pays_what_math_verify_reads():
     assert grade_math(EQUATION_CASES[1][0], "9") == 1.0  # the released reward, reproduced as it is
+    assert grade_math(LIST_CASES[0][0], "3") == 1.0
 
 
 def test_grade_math_needs_the_question_as_text():

@@ -27,7 +27,10 @@ def grade_math(completion: str, gold: str, think_gate: bool = False, question: s
     none in "answer:12" or "(12)"; tests/rewards/test_rewards.py lists these grader gaps).
     With `question` (the prompt's text) and a numeric gold, an answer that restates the question's arithmetic
     instead of computing it scores 0.0 (`exgrpo.rewards.restatement.is_restatement`): math-verify would evaluate
-    "752 * -611 + 290" and pay for the copy. Without `question` the released reward is reproduced as it is.
+    "752 * -611 + 290" and pay for the copy. Two more readings of math-verify are corrected with `question`: an
+    answer it reads from a list item's number ("gives 6 as final answer\n3. This is ...": 3) is read again with the
+    list's numbers removed, and one that starts an equation is read as the equation's result. Without `question`
+    the released reward is reproduced as it is.
     """
     if question is not None and not isinstance(question, str):
         raise TypeError(f"grade_math: question must be the prompt's text (str) or None, got {type(question).__name__}")
@@ -42,6 +45,9 @@ def grade_math(completion: str, gold: str, think_gate: bool = False, question: s
     try:
         gold_parsed = parse("$" + gold + "$", parsing_timeout=timeout)
         answer_parsed = parse(completion, parsing_timeout=timeout)
+        if question is not None and _only_list_markers(completion, gold_parsed, answer_parsed):
+            completion = _LIST_MARKER.sub(r"\1", completion)
+            answer_parsed = parse(completion, parsing_timeout=timeout)
         if question is not None and (result := _equation_result(completion, gold_parsed, answer_parsed)):
             answer_parsed = parse("$" + result + "$", parsing_timeout=timeout)
         if question is not None and _restates(gold_parsed, answer_parsed, question):
@@ -51,10 +57,33 @@ def grade_math(completion: str, gold: str, think_gate: bool = False, question: s
         return 0.0
 
 
+def _numeric(gold_parsed: list) -> bool:
+    """Whether math-verify's parse of the gold ([sympy, text]) is a number."""
+    return len(gold_parsed) == 2 and isinstance(gold_parsed[0], sympy.Number)
+
+
 def _restates(gold_parsed: list, answer_parsed: list, question: str) -> bool:
     """The gold is a number and the answer a restatement of `question` (math-verify's parses: [sympy, text])."""
-    numeric_gold = len(gold_parsed) == 2 and isinstance(gold_parsed[0], sympy.Number)
-    return numeric_gold and len(answer_parsed) == 2 and is_restatement(answer_parsed[0], answer_parsed[1], question)
+    return _numeric(gold_parsed) and len(answer_parsed) == 2 and \
+        is_restatement(answer_parsed[0], answer_parsed[1], question)
+
+
+def _written(answer: str, completion: str) -> list[re.Match]:
+    """Every place `completion` writes the number `answer` (not as part of a longer number)."""
+    return list(re.finditer(rf"(?<![\d.]){re.escape(answer)}(?!\.?\d)", completion))
+
+
+#: a numbered list item's marker at the start of a line ("3. This is"); group 1 is the indent before it
+_LIST_MARKER = re.compile(r"(?m)^([ \t]*)\d+[.)][ \t]+(?=\D)")
+
+
+def _only_list_markers(completion: str, gold_parsed: list, answer_parsed: list) -> bool:
+    """Whether math-verify's answer to a numeric gold is written in the completion only as list items' numbers."""
+    if not _numeric(gold_parsed) or len(answer_parsed) != 2:
+        return False
+    markers = {m.end(1) for m in _LIST_MARKER.finditer(completion)}
+    written = _written(answer_parsed[1], completion)
+    return bool(written) and all(w.start() in markers for w in written)
 
 
 _NUMBER = r"-?\d+(?:\.\d+)?"
@@ -67,10 +96,9 @@ def _equation_result(completion: str, gold_parsed: list, answer_parsed: list) ->
     equation ("the final answer is 15 - 6 = 7"; "final answer:\n9 + 6 = 15"), the equation's last side (7; 15; of
     a chain "9 + 6 - 6 = 15 - 6 = 9", 9): the completion's answer, which math-verify would not read. None otherwise
     (a boxed answer, an answer also written on its own, a gold that is not a number)."""
-    numeric_gold = len(gold_parsed) == 2 and isinstance(gold_parsed[0], sympy.Number)
-    if not numeric_gold or len(answer_parsed) != 2 or "\\boxed" in completion:
+    if not _numeric(gold_parsed) or len(answer_parsed) != 2 or "\\boxed" in completion:
         return None
-    written = list(re.finditer(rf"(?<![\d.]){re.escape(answer_parsed[1])}(?!\.?\d)", completion))
+    written = _written(answer_parsed[1], completion)
     results = [_EQUATION_TAIL.match(completion, w.end()) for w in written]
     if not written or not all(results):
         return None
