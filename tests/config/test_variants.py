@@ -7,6 +7,7 @@ import pytest
 
 from exgrpo.config import ConfigError, load_config
 from exgrpo.config import schema
+from exgrpo.experience.policies import REPLAY_POLICIES
 from exgrpo.experience.sampler import QUESTION_DRAWS
 from exgrpo.experience.selection import SELECTION_METRICS, SELECTION_MODES
 from exgrpo.learner.objective import ADVANTAGE_SCALES, AGGREGATIONS
@@ -19,6 +20,7 @@ VARIANTS = [  # (config key, its Literal, the registry that implements it)
     ("experience.bucket_scheme", schema.BucketScheme, QUESTION_DRAWS),
     ("experience.selection_metric", schema.SelectionMetric, SELECTION_METRICS),
     ("experience.selection_mode", schema.SelectionMode, SELECTION_MODES),
+    ("experience.replay_policy", schema.ReplayPolicyName, REPLAY_POLICIES),
 ]
 
 

@@ -20,6 +20,7 @@ Aggregation = Literal["sum_constant", "token_mean", "seq_mean_token_mean"]
 BucketScheme = Literal["normal", "linear", "sqrt", "linear_clip", "uniform"]
 SelectionMetric = Literal["entropy", "entropy_sum", "perplexity", "random"]
 SelectionMode = Literal["argmin", "argmax"]
+ReplayPolicyName = Literal["exgrpo", "rlep", "prioritized", "prompt_replay"]
 
 
 @dataclass
@@ -216,7 +217,7 @@ class ObjectiveConfig:
 class ExperienceConfig:
     ratio: float = 0.5
     """Fraction of each batch's questions drawn from the buffer; 0 gives plain GRPO."""
-    replay_policy: Literal["exgrpo", "rlep", "prioritized", "prompt_replay"] = "exgrpo"
+    replay_policy: ReplayPolicyName = "exgrpo"
     """The replay policy (docs/replay.md): exgrpo (buckets + one replayed trajectory per experiential group), rlep
     (every fresh question with stored successes replays one; no experiential questions), prioritized (re-ask
     questions with priority p(1-p), all members fresh), prompt_replay (re-ask bucket-sampled questions, all

@@ -12,10 +12,11 @@ replay rule. No model code here.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 
+from exgrpo.config.schema import ReplayPolicyName
 from exgrpo.experience.buffer import ExperienceBuffer
 from exgrpo.experience.sampler import sample_questions
 
@@ -136,13 +137,15 @@ def replay_policy_from_config(experience, buffer: ExperienceBuffer, num_generati
 def build_replay_policy(name: str, buffer: ExperienceBuffer, *, num_generations: int, scheme: str = "normal",
                         sigma: float = 1.0, mean: float | None = None, retest_every: int = 10) -> ReplayPolicy:
     """The policy `experience.replay_policy` names (the bucket scheme's settings and retest_every as in its config)."""
-    K = num_generations
-    if name == "exgrpo":
-        return BucketReplay(buffer, K, scheme, sigma, mean)
-    if name == "prompt_replay":
-        return BucketReplay(buffer, K, scheme, sigma, mean, replays_trajectories=False)
-    if name == "rlep":
-        return SuccessReplay()
-    if name == "prioritized":
-        return PrioritizedReplay(K, retest_every)
-    raise ValueError(f"unknown experience.replay_policy {name!r}")
+    return REPLAY_POLICIES[name](buffer=buffer, K=num_generations, scheme=scheme, sigma=sigma, mean=mean,
+                                 retest_every=retest_every)
+
+
+#: experience.replay_policy -> its policy, from keywords buffer, K, scheme, sigma, mean, retest_every
+REPLAY_POLICIES: dict[ReplayPolicyName, Callable[..., ReplayPolicy]] = {
+    "exgrpo": lambda buffer, K, scheme, sigma, mean, **_: BucketReplay(buffer, K, scheme, sigma, mean),
+    "rlep": lambda **_: SuccessReplay(),
+    "prioritized": lambda K, retest_every, **_: PrioritizedReplay(K, retest_every),
+    "prompt_replay": lambda buffer, K, scheme, sigma, mean, **_: BucketReplay(buffer, K, scheme, sigma, mean,
+                                                                             replays_trajectories=False),
+}
