@@ -54,8 +54,8 @@ def main(study_file: str, *arms: str) -> None:
     start = json.loads(initial.read_text())["accuracy"]
     for arm in arms:
         for run in sorted((study.output_dir / arm).glob("seed-*")):
-            result = criteria(read_metrics(run / "metrics.jsonl"), start, last=study.config(study.arm(arm), 1).train.steps,
-                              replaying=arm != study.baseline)
+            last = study.config(study.arm(arm), 1).train.steps
+            result = criteria(read_metrics(run / "metrics.jsonl"), start, last, replaying=arm != study.baseline)
             print(f"{arm} {run.name}: {json.dumps(result)}; {write_samples(run)} samples in "
                   f"{run / 'samples_to_read.txt'}")
 
