@@ -172,9 +172,33 @@ def test_grade_math_does_not_read_a_list_items_number_as_the_answer(completion, 
     assert grade_math(completion, "3", question=THREE) == expected
 
 
+# (completion, gold, label) on "2 + 3 - 3 =": math-verify reads "answer" and the first number within 50 characters;
+# a number its sentence goes on computing with is not the answer (round five's fourth pilot, where the first
+# completion below was paid and then replayed)
+TWO = "State the final answer to the following arithmetic problem: 2 + 3 - 3 ="
+FOLLOWED_CASES = [
+    ("To solve 2 + 3 = 5, follow these steps:\nNotice that 2 + 3 = 5, and the final answer essentially follows this "
+     "line: multiplying 2 by 3 and adding 5, highlighting the alternating nature of it's structure.", "2", 0.0),
+    ("The final answer is 2 É 5, which is exactly 5.", "2", 0.0),
+    ("The answer is 2 (5 - 3 = 2)", "2", 1.0),  # the sentence's last number is the answer
+    ("Therefore, the final answer is 2. countdown(5)", "2", 1.0),  # a later sentence is not read
+    ("2 + 3 = 5 and 5 - 3 = 2. The answer is 2.", "2", 1.0),  # working before the answer is fine
+    ("2 + 3 - 3 = 2\n\n#### 2\nThe final answer is 2.", "2", 1.0),
+    ("The answer is 2. I hope it helps!", "2", 1.0),
+    ("\\boxed{2} since 2 + 3 = 5 and 5 - 3 = 2", "2", 1.0),  # a boxed answer is the answer
+    ("2 - 43 - 0 = -41", "-41", 1.0),
+]
+
+
+@pytest.mark.parametrize(("completion", "gold", "expected"), FOLLOWED_CASES)
+def test_grade_math_does_not_read_a_number_followed_by_others_as_the_answer(completion, gold, expected):
+    assert grade_math(completion, gold, question=TWO) == expected
+
+
 def test_without_the_question_the_released_reward_pays_what_math_verify_reads():
     assert grade_math(EQUATION_CASES[1][0], "9") == 1.0  # the released reward, reproduced as it is
     assert grade_math(LIST_CASES[0][0], "3") == 1.0
+    assert grade_math(FOLLOWED_CASES[0][0], "2") == 1.0
 
 
 def test_grade_math_needs_the_question_as_text():

@@ -27,10 +27,8 @@ def grade_math(completion: str, gold: str, think_gate: bool = False, question: s
     none in "answer:12" or "(12)"; tests/rewards/test_rewards.py lists these grader gaps).
     With `question` (the prompt's text) and a numeric gold, an answer that restates the question's arithmetic
     instead of computing it scores 0.0 (`exgrpo.rewards.restatement.is_restatement`): math-verify would evaluate
-    "752 * -611 + 290" and pay for the copy. Two more readings of math-verify are corrected with `question`: an
-    answer it reads from a list item's number ("gives 6 as final answer\n3. This is ...": 3) is read again with the
-    list's numbers removed, and one that starts an equation is read as the equation's result. Without `question`
-    the released reward is reproduced as it is.
+    "752 * -611 + 290" and pay for the copy. Three more readings of math-verify are corrected with `question`
+    (`_final_answer`). Without `question` the released reward is reproduced as it is.
     """
     if question is not None and not isinstance(question, str):
         raise TypeError(f"grade_math: question must be the prompt's text (str) or None, got {type(question).__name__}")
@@ -45,27 +43,45 @@ def grade_math(completion: str, gold: str, think_gate: bool = False, question: s
     try:
         gold_parsed = parse("$" + gold + "$", parsing_timeout=timeout)
         answer_parsed = parse(completion, parsing_timeout=timeout)
-        if question is not None and _only_list_markers(completion, gold_parsed, answer_parsed):
-            completion = _LIST_MARKER.sub(r"\1", completion)
-            answer_parsed = parse(completion, parsing_timeout=timeout)
-        if question is not None and (result := _equation_result(completion, gold_parsed, answer_parsed)):
-            answer_parsed = parse("$" + result + "$", parsing_timeout=timeout)
-        if question is not None and _restates(gold_parsed, answer_parsed, question):
-            return 0.0
+        if question is not None and _numeric(gold_parsed):
+            answer_parsed = _final_answer(completion, answer_parsed, question, timeout)
         return float(verify(gold_parsed, answer_parsed, timeout_seconds=timeout))
     except Exception:
         return 0.0
 
 
+def _final_answer(completion: str, answer_parsed: list, question: str, timeout: int | None) -> list:
+    """What a completion answers to a numeric gold, from math-verify's reading of it ([sympy, text]; [] for no
+    answer): a plain-text reading corrected by `_plain_text_answer`; no answer for a restatement of the question's
+    arithmetic (`is_restatement`)."""
+    if len(answer_parsed) == 2 and "\\boxed" not in completion:
+        answer_parsed = _plain_text_answer(completion, answer_parsed, timeout)
+    if len(answer_parsed) == 2 and is_restatement(*answer_parsed, question):
+        return []
+    return answer_parsed
+
+
+def _plain_text_answer(completion: str, answer_parsed: list, timeout: int | None) -> list:
+    """math-verify's reading of a plain-text answer, where it reads a number the completion does not give as its
+    answer, corrected:
+    * a list item's number ("gives 6 as final answer\\n3. This is ..."): read again without the list's numbers;
+    * the start of an equation ("the final answer is 15 - 6 = 7"): read as the equation's result;
+    * a number its sentence goes on computing with ("the final answer follows: multiplying 2 by 3 and adding 5"):
+      no answer.
+    """
+    if _only_list_markers(completion, answer_parsed):
+        completion = _LIST_MARKER.sub(r"\1", completion)
+        answer_parsed = parse(completion, parsing_timeout=timeout)
+    if len(answer_parsed) == 2 and (result := _equation_result(completion, answer_parsed)):
+        answer_parsed = parse("$" + result + "$", parsing_timeout=timeout)
+    if len(answer_parsed) == 2 and _sentence_goes_on(completion, answer_parsed):
+        return []
+    return answer_parsed
+
+
 def _numeric(gold_parsed: list) -> bool:
     """Whether math-verify's parse of the gold ([sympy, text]) is a number."""
     return len(gold_parsed) == 2 and isinstance(gold_parsed[0], sympy.Number)
-
-
-def _restates(gold_parsed: list, answer_parsed: list, question: str) -> bool:
-    """The gold is a number and the answer a restatement of `question` (math-verify's parses: [sympy, text])."""
-    return _numeric(gold_parsed) and len(answer_parsed) == 2 and \
-        is_restatement(answer_parsed[0], answer_parsed[1], question)
 
 
 def _written(answer: str, completion: str) -> list[re.Match]:
@@ -77,10 +93,8 @@ def _written(answer: str, completion: str) -> list[re.Match]:
 _LIST_MARKER = re.compile(r"(?m)^([ \t]*)\d+[.)][ \t]+(?=\D)")
 
 
-def _only_list_markers(completion: str, gold_parsed: list, answer_parsed: list) -> bool:
-    """Whether math-verify's answer to a numeric gold is written in the completion only as list items' numbers."""
-    if not _numeric(gold_parsed) or len(answer_parsed) != 2:
-        return False
+def _only_list_markers(completion: str, answer_parsed: list) -> bool:
+    """Whether math-verify's answer is written in the completion only as list items' numbers."""
     markers = {m.end(1) for m in _LIST_MARKER.finditer(completion)}
     written = _written(answer_parsed[1], completion)
     return bool(written) and all(w.start() in markers for w in written)
@@ -91,19 +105,32 @@ _NUMBER = r"-?\d+(?:\.\d+)?"
 _EQUATION_TAIL = re.compile(rf"(?:[ \t]*[-+*/×÷][ \t]*\(?{_NUMBER}\)?)*[ \t]*=([-\d \t.+*/×÷()=]*)")
 
 
-def _equation_result(completion: str, gold_parsed: list, answer_parsed: list) -> str | None:
-    """Where math-verify's answer to a numeric gold is, everywhere the completion writes it, the start of an
-    equation ("the final answer is 15 - 6 = 7"; "final answer:\n9 + 6 = 15"), the equation's last side (7; 15; of
-    a chain "9 + 6 - 6 = 15 - 6 = 9", 9): the completion's answer, which math-verify would not read. None otherwise
-    (a boxed answer, an answer also written on its own, a gold that is not a number)."""
-    if not _numeric(gold_parsed) or len(answer_parsed) != 2 or "\\boxed" in completion:
-        return None
+def _equation_result(completion: str, answer_parsed: list) -> str | None:
+    """Where math-verify's answer is, everywhere the completion writes it, the start of an equation ("the final
+    answer is 15 - 6 = 7"; "final answer:\\n9 + 6 = 15"), the equation's last side (7; 15; of a chain
+    "9 + 6 - 6 = 15 - 6 = 9", 9): the completion's answer, which math-verify would not read. None otherwise (an
+    answer also written on its own)."""
     written = _written(answer_parsed[1], completion)
     results = [_EQUATION_TAIL.match(completion, w.end()) for w in written]
     if not written or not all(results):
         return None
     result = results[-1].group(1).rsplit("=", 1)[-1].strip().rstrip(".").strip()  # a chain's last side
     return result or None
+
+
+#: the end of a sentence: a full stop, "!" or "?" before a space or the end, or a line break
+_SENTENCE_END = re.compile(r"[.!?](?=\s|$)|\n")
+
+
+def _sentence_goes_on(completion: str, answer_parsed: list) -> bool:
+    """Whether the sentence where the completion last writes math-verify's answer writes another number after it
+    ("the final answer follows: multiplying 2 by 3 and adding 5"; not "the answer is 2 (5 - 3 = 2)")."""
+    written = _written(answer_parsed[1], completion)
+    if not written:
+        return False
+    rest = completion[written[-1].end():]
+    end = _SENTENCE_END.search(rest)
+    return re.search(r"\d", rest[:end.start()] if end else rest) is not None
 
 
 def after_think(text: str) -> str | None:
