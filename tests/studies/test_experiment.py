@@ -161,7 +161,7 @@ def test_t_interval_and_the_pre_registered_verdict_rules():
     assert points(-4, -5, -6) == "hurts"
     assert points(-1, -2.5, -4) == "inconclusive at this power"  # mean −2.5, interval reaching past −5
     assert points(-10, 5, 20) == "inconclusive at this power"
-    with pytest.raises(ValueError, match="2 to 10"):
+    with pytest.raises(ValueError, match="2 to 20"):
         t_interval(np.array([0.1]))
 
 
