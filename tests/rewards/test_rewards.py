@@ -195,6 +195,23 @@ def test_grade_math_does_not_read_a_number_followed_by_others_as_the_answer(comp
     assert grade_math(completion, gold, question=TWO) == expected
 
 
+# (completion, label) on "7 - 2 + 0 =" (gold 5): a sentence that equates the question's arithmetic to another number
+# and calls nothing the answer does not answer with its last number (round five's fifth pilot)
+SEVEN = "State the final answer to the following arithmetic problem: 7 - 2 + 0 ="
+STATES_OTHERWISE_CASES = [
+    ("7 - 2 + 0 = 15\n\nFor Addition\n27 - 7 = 6\n\nSo 7 - 2 + 0 = 15 and 27 - 9 = 5.", 0.0),
+    ("7-2+0 = 3 + 2 = 15 and 10 / 2 = 5", 0.0),  # a chain's last side, written without spaces
+    ("7 - 2 + 0 = 9 so 9 less 4 is 5 which is the final answer.", 1.0),  # it names its answer
+    ("7 - 2 + 0 = 7 - 2 = 5", 1.0),
+    ("7 - 2 + 0 = 15. No: 7 - 2 = 5 and 5 + 0 = 5.", 1.0),  # corrected in a later sentence
+]
+
+
+@pytest.mark.parametrize(("completion", "expected"), STATES_OTHERWISE_CASES)
+def test_grade_math_does_not_read_the_last_number_of_a_sentence_that_states_another_answer(completion, expected):
+    assert grade_math(completion, "5", question=SEVEN) == expected
+
+
 def test_without_the_question_the_released_reward_pays_what_math_verify_reads():
     assert grade_math(EQUATION_CASES[1][0], "9") == 1.0  # the released reward, reproduced as it is
     assert grade_math(LIST_CASES[0][0], "3") == 1.0

@@ -55,27 +55,30 @@ def _final_answer(completion: str, answer_parsed: list, question: str, timeout: 
     answer): a plain-text reading corrected by `_plain_text_answer`; no answer for a restatement of the question's
     arithmetic (`is_restatement`)."""
     if len(answer_parsed) == 2 and "\\boxed" not in completion:
-        answer_parsed = _plain_text_answer(completion, answer_parsed, timeout)
+        answer_parsed = _plain_text_answer(completion, answer_parsed, question, timeout)
     if len(answer_parsed) == 2 and is_restatement(*answer_parsed, question):
         return []
     return answer_parsed
 
 
-def _plain_text_answer(completion: str, answer_parsed: list, timeout: int | None) -> list:
+def _plain_text_answer(completion: str, answer_parsed: list, question: str, timeout: int | None) -> list:
     """math-verify's reading of a plain-text answer, where it reads a number the completion does not give as its
     answer, corrected:
     * a list item's number ("gives 6 as final answer\\n3. This is ..."): read again without the list's numbers;
     * the start of an equation ("the final answer is 15 - 6 = 7"): read as the equation's result;
-    * a number its sentence goes on computing with ("the final answer follows: multiplying 2 by 3 and adding 5"):
-      no answer.
+    * a number its sentence goes on computing with ("the final answer follows: multiplying 2 by 3 and adding 5"),
+      or one whose sentence equates the question's arithmetic to another number ("So 7 - 2 + 0 = 15 and 27 - 9 =
+      5"): no answer.
     """
     if _only_list_markers(completion, answer_parsed):
         completion = _LIST_MARKER.sub(r"\1", completion)
         answer_parsed = parse(completion, parsing_timeout=timeout)
     if len(answer_parsed) == 2 and (result := _equation_result(completion, answer_parsed)):
         answer_parsed = parse("$" + result + "$", parsing_timeout=timeout)
-    if len(answer_parsed) == 2 and _sentence_goes_on(completion, answer_parsed):
-        return []
+    if len(answer_parsed) == 2 and (sentence := _answer_sentence(completion, answer_parsed)):
+        before, after = sentence
+        if re.search(r"\d", after) or _states_otherwise(before + answer_parsed[1] + after, answer_parsed, question):
+            return []
     return answer_parsed
 
 
@@ -122,15 +125,37 @@ def _equation_result(completion: str, answer_parsed: list) -> str | None:
 _SENTENCE_END = re.compile(r"[.!?](?=\s|$)|\n")
 
 
-def _sentence_goes_on(completion: str, answer_parsed: list) -> bool:
-    """Whether the sentence where the completion last writes math-verify's answer writes another number after it
-    ("the final answer follows: multiplying 2 by 3 and adding 5"; not "the answer is 2 (5 - 3 = 2)")."""
+def _answer_sentence(completion: str, answer_parsed: list) -> tuple[str, str] | None:
+    """The text before and after the last place the completion writes math-verify's answer, within its sentence;
+    None where the answer is not written as such."""
     written = _written(answer_parsed[1], completion)
     if not written:
+        return None
+    head, tail = completion[:written[-1].start()], completion[written[-1].end():]
+    start = max((m.end() for m in _SENTENCE_END.finditer(head)), default=0)
+    end = _SENTENCE_END.search(tail)
+    return head[start:], tail[:end.start()] if end else tail
+
+
+#: arithmetic written out: numbers joined by operators ("7 - 2 + 0")
+_ARITHMETIC = re.compile(rf"{_NUMBER}(?:[ \t]*[-+*/×÷][ \t]*\(?{_NUMBER}\)?)+")
+_TOKEN = re.compile(r"\d+(?:\.\d+)?|[-+*/×÷()]")
+
+
+def _states_otherwise(sentence: str, answer_parsed: list, question: str) -> bool:
+    """Whether `sentence`, which does not call anything the answer, equates the question's arithmetic (the last
+    written in `question`) to a number other than math-verify's answer ("So 7 - 2 + 0 = 15 and 27 - 9 = 5" on
+    "7 - 2 + 0 =": 15; of a chain, its last side). A sentence that names its answer ("... = 9 division of 9 is 4
+    which is the final answer") is taken at its word."""
+    asked = _ARITHMETIC.findall(question)
+    if not asked or not isinstance(answer_parsed[0], sympy.Number) or "answer" in sentence.lower():
         return False
-    rest = completion[written[-1].end():]
-    end = _SENTENCE_END.search(rest)
-    return re.search(r"\d", rest[:end.start()] if end else rest) is not None
+    expression = r"[ \t]*".join(map(re.escape, _TOKEN.findall(asked[-1])))
+    for equation in re.finditer(rf"(?<![\d.]){expression}[ \t]*=([-\d \t.+*/×÷()=]*)", sentence):
+        result = equation.group(1).rsplit("=", 1)[-1].strip().rstrip(".").strip()
+        if re.fullmatch(_NUMBER, result) and float(result) != float(answer_parsed[0]):
+            return True
+    return False
 
 
 def after_think(text: str) -> str | None:
