@@ -104,8 +104,18 @@ def _only_list_markers(completion: str, answer_parsed: list) -> bool:
 
 
 _NUMBER = r"-?\d+(?:\.\d+)?"
-#: what follows the left side of an equation on its line: more operands, then "=" and the rest of the arithmetic
-_EQUATION_TAIL = re.compile(rf"(?:[ \t]*[-+*/×÷][ \t]*\(?{_NUMBER}\)?)*[ \t]*=([-\d \t.+*/×÷()=]*)")
+_OPERATION = rf"[ \t]*[-+*/×÷][ \t]*\(?{_NUMBER}\)?"  # an operator and its operand
+_RESULT = r"[ \t]*=([-\d \t.+*/×÷()=]*)"  # "=" and the rest of the arithmetic on the line (group 1)
+#: what follows the left side of an equation on its line: more operands, then its result
+_EQUATION_TAIL = re.compile(rf"(?:{_OPERATION})*{_RESULT}")
+#: arithmetic written out: numbers joined by operators ("7 - 2 + 0")
+_ARITHMETIC = re.compile(rf"{_NUMBER}(?:{_OPERATION})+")
+_TOKEN = re.compile(r"\d+(?:\.\d+)?|[-+*/×÷()]")
+
+
+def _last_side(result: str) -> str:
+    """The last side of what follows an equation's "=" ("15 - 6 = 9." -> "9")."""
+    return result.rsplit("=", 1)[-1].strip().rstrip(".").strip()
 
 
 def _equation_result(completion: str, answer_parsed: list) -> str | None:
@@ -117,8 +127,7 @@ def _equation_result(completion: str, answer_parsed: list) -> str | None:
     results = [_EQUATION_TAIL.match(completion, w.end()) for w in written]
     if not written or not all(results):
         return None
-    result = results[-1].group(1).rsplit("=", 1)[-1].strip().rstrip(".").strip()  # a chain's last side
-    return result or None
+    return _last_side(results[-1].group(1)) or None
 
 
 #: the end of a sentence: a full stop, "!" or "?" before a space or the end, or a line break
@@ -137,11 +146,6 @@ def _answer_sentence(completion: str, answer_parsed: list) -> tuple[str, str] | 
     return head[start:], tail[:end.start()] if end else tail
 
 
-#: arithmetic written out: numbers joined by operators ("7 - 2 + 0")
-_ARITHMETIC = re.compile(rf"{_NUMBER}(?:[ \t]*[-+*/×÷][ \t]*\(?{_NUMBER}\)?)+")
-_TOKEN = re.compile(r"\d+(?:\.\d+)?|[-+*/×÷()]")
-
-
 def _states_otherwise(sentence: str, answer_parsed: list, question: str) -> bool:
     """Whether `sentence`, which does not call anything the answer, equates the question's arithmetic (the last
     written in `question`) to a number other than math-verify's answer ("So 7 - 2 + 0 = 15 and 27 - 9 = 5" on
@@ -151,8 +155,8 @@ def _states_otherwise(sentence: str, answer_parsed: list, question: str) -> bool
     if not asked or not isinstance(answer_parsed[0], sympy.Number) or "answer" in sentence.lower():
         return False
     expression = r"[ \t]*".join(map(re.escape, _TOKEN.findall(asked[-1])))
-    for equation in re.finditer(rf"(?<![\d.]){expression}[ \t]*=([-\d \t.+*/×÷()=]*)", sentence):
-        result = equation.group(1).rsplit("=", 1)[-1].strip().rstrip(".").strip()
+    for equation in re.finditer(rf"(?<![\d.]){expression}{_RESULT}", sentence):
+        result = _last_side(equation.group(1))
         if re.fullmatch(_NUMBER, result) and float(result) != float(answer_parsed[0]):
             return True
     return False
