@@ -1,0 +1,44 @@
+"""Re-grade a study's logged samples with this commit's training reward, to see what a change of the reward changes:
+every completion in <output_dir>/<arm>/seed-<s>/samples.jsonl is graded again against its gold answer and its
+question (the question's last user message, suffix included; the reward's question-aware rules read its
+arithmetic), and every sample whose reward would change is printed with its text.
+
+    PYTHONPATH=src HF_HUB_OFFLINE=1 .venv/bin/python bench/regrade_samples.py experiments/round-five-fifth-pilot.yaml
+
+Run it from the tree that holds the study's runs (a study's worktree) with `PYTHONPATH` pointing at the reward to
+test. Prints one line per run: samples, changed, then the changed samples.
+"""
+
+import json
+import sys
+
+from exgrpo.data import load_questions
+from exgrpo.rewards.graders import grade_math
+from exgrpo.runtime.tracking import read_metrics
+from exgrpo.studies.study import load_study
+
+
+def regrade(study_file: str) -> None:
+    study = load_study(study_file)
+    for arm in study.arms:
+        for run in sorted((study.output_dir / arm.name).glob("seed-*")):
+            if not (run / "samples.jsonl").exists():
+                continue
+            data = study.config(arm, int(run.name.removeprefix("seed-"))).data
+            questions = {q.id: q for q in load_questions(data.train, prompt_suffix=data.prompt_suffix)}
+            samples = read_metrics(run / "samples.jsonl")
+            changed = []
+            for s in samples:
+                question = questions[s["question_id"]].messages[-1]["content"]
+                reward = grade_math(s["completion"], s["answer"], question=question)
+                if reward != s["reward"]:
+                    changed.append({"step": s["step"], "question_id": s["question_id"], "answer": s["answer"],
+                                    "logged": s["reward"], "now": reward, "completion": s["completion"]})
+            print(f"{run}: {len(samples)} samples, {len(changed)} changed")
+            for c in changed:
+                print("   ", json.dumps(c, ensure_ascii=False))
+
+
+if __name__ == "__main__":
+    for path in sys.argv[1:]:
+        regrade(path)
