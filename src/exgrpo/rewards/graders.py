@@ -27,8 +27,9 @@ def grade_math(completion: str, gold: str, think_gate: bool = False, question: s
     none in "answer:12" or "(12)"; tests/rewards/test_rewards.py lists these grader gaps).
     With `question` (the prompt's text) and a numeric gold, an answer that restates the question's arithmetic
     instead of computing it scores 0.0 (`exgrpo.rewards.restatement.is_restatement`): math-verify would evaluate
-    "752 * -611 + 290" and pay for the copy. Three more readings of math-verify are corrected with `question`
-    (`_final_answer`). Without `question` the released reward is reproduced as it is.
+    "752 * -611 + 290" and pay for the copy. Where math-verify reads a number the completion does not give as its
+    answer, `question` corrects that too (`_final_answer`). Without `question` the released reward is reproduced
+    as it is.
     """
     if question is not None and not isinstance(question, str):
         raise TypeError(f"grade_math: question must be the prompt's text (str) or None, got {type(question).__name__}")
