@@ -20,12 +20,16 @@ from exgrpo.studies.study import load_study
 
 def regrade(study_file: str) -> None:
     study = load_study(study_file)
+    loaded: dict[tuple[str, str], dict] = {}  # the arms of a study usually share their data
     for arm in study.arms:
         for run in sorted((study.output_dir / arm.name).glob("seed-*")):
             if not (run / "samples.jsonl").exists():
                 continue
             data = study.config(arm, int(run.name.removeprefix("seed-"))).data
-            questions = {q.id: q for q in load_questions(data.train, prompt_suffix=data.prompt_suffix)}
+            key = (data.train, data.prompt_suffix)
+            if key not in loaded:
+                loaded[key] = {q.id: q for q in load_questions(data.train, prompt_suffix=data.prompt_suffix)}
+            questions = loaded[key]
             samples = read_metrics(run / "samples.jsonl")
             changed = []
             for s in samples:

@@ -27,8 +27,9 @@ def grade_math_for_question(completion: str, task_json: str, think_gate: bool = 
 
 
 class MathReward:
-    """Training reward (spec §6): math-verify against the `answer` column, 1.0 or 0.0, except that an answer
-    restating the arithmetic of its prompt scores 0.0 where the gold is a number (`grade_math` with `question`).
+    """Training reward (spec §6): math-verify against the `answer` column, 1.0 or 0.0, except that where the gold
+    is a number the prompt corrects math-verify's reading (`grade_math` with `question`): an answer restating the
+    prompt's arithmetic, or one the completion does not give as its answer, scores 0.0.
 
     The question's numbers are read from the prompt as the model saw it (chat template and system text included).
     """

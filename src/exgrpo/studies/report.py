@@ -338,6 +338,18 @@ def mechanism_table(arms: dict[str, list[RunResult]], names: list[str]) -> list[
     return lines
 
 
+def _plots(arms: dict, names: list[str], main_arms: list[str], ablations: list[str], out: Path) -> list[str]:
+    """The report's figures, written to `out`: the main arms' curves, the buffer and analyses of the last main arm,
+    the ablations' curves against it, and every arm's final accuracy. Returns their file names."""
+    plots = _curves(arms, main_arms, out, "main")
+    plots.append(_buffer(arms[main_arms[-1]], out, "main"))
+    plots.append(_analyses(arms, main_arms, out, "main"))
+    if ablations:
+        plots += _curves(arms, [main_arms[-1], *ablations], out, "ablations")
+    plots.append(_final_bars(arms, names, out, "all"))
+    return plots
+
+
 def write_study_report(study: Study, out: str | Path, main_arms: list[str], only: list[str] | None = None) -> Path:
     """Plots and tables for all arms (or the arms in `only`, the baseline and `main_arms` among them); `main_arms` (e.g.
     GRPO and ExGRPO) get the curves and the buffer plot is drawn for the last of them. Returns the markdown file
@@ -347,12 +359,7 @@ def write_study_report(study: Study, out: str | Path, main_arms: list[str], only
     names = [a.name for a in study.arms if not only or a.name in only]
     arms = _by_arm(load_results(study, names))
     ablations = [n for n in names if n not in main_arms]
-    plots = _curves(arms, main_arms, out, "main")
-    plots.append(_buffer(arms[main_arms[-1]], out, "main"))
-    plots.append(_analyses(arms, main_arms, out, "main"))
-    if ablations:
-        plots += _curves(arms, [main_arms[-1], *ablations], out, "ablations")
-    plots.append(_final_bars(arms, names, out, "all"))
+    plots = _plots(arms, names, main_arms, ablations, out)
     write_curves(arms, out / "curves.json")
     c, reg = arms[names[0]][0].config, study.registered
     rows = {r.seed: r.initial["num_questions"] for runs in arms.values() for r in runs}

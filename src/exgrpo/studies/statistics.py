@@ -56,19 +56,23 @@ def verdict(differences: np.ndarray, registered: Registration) -> str:
     return "inconclusive at this power"
 
 
-def power(true_effect: float, sd: float, seeds: int, registered: Registration, trials: int = 20_000) -> float:
-    """P(verdict "helps") when the paired differences are N(true_effect, sd²) over `seeds` seeds (simulated, a
-    fixed random stream: the same figures every time)."""
+def _simulated_intervals(true_effect: float, sd: float, seeds: int, trials: int) -> tuple[np.ndarray, np.ndarray]:
+    """(trials,) means and 95% half-widths of studies whose paired differences are N(true_effect, sd²) over
+    `seeds` seeds (a fixed random stream: the same figures every time)."""
     d = np.random.default_rng(0).normal(true_effect, sd, size=(trials, seeds))
-    mean, half = d.mean(1), T_975[seeds - 1] * d.std(1, ddof=1) / np.sqrt(seeds)
+    return d.mean(1), T_975[seeds - 1] * d.std(1, ddof=1) / np.sqrt(seeds)
+
+
+def power(true_effect: float, sd: float, seeds: int, registered: Registration, trials: int = 20_000) -> float:
+    """P(verdict "helps") when the paired differences are N(true_effect, sd²) over `seeds` seeds (simulated)."""
+    mean, half = _simulated_intervals(true_effect, sd, seeds, trials)
     return float(np.mean((mean >= registered.effect) & (mean - half > 0)))
 
 
 def no_difference_power(true_effect: float, sd: float, seeds: int, registered: Registration,
                         trials: int = 20_000) -> float:
     """P(verdict "no difference"): the 95% interval within ±`equivalence` (simulated as `power` is)."""
-    d = np.random.default_rng(0).normal(true_effect, sd, size=(trials, seeds))
-    mean, half = d.mean(1), T_975[seeds - 1] * d.std(1, ddof=1) / np.sqrt(seeds)
+    mean, half = _simulated_intervals(true_effect, sd, seeds, trials)
     return float(np.mean((mean - half >= -registered.equivalence) & (mean + half <= registered.equivalence)))
 
 
