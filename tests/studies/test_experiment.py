@@ -63,6 +63,7 @@ def test_study_runs_every_arm_and_seed_once_and_reports(tmp_path):
     assert "| GRPO | 1, 2 |" in text and "| uniform | 1 |" in text
     paired = text.split("## Paired differences")[1].split("## Buffer")[0]
     assert "| ExGRPO − GRPO | 1, 2 |" in paired and "uniform" not in paired  # uniform has one seed: no interval
+    assert "above their step 0 (take-off): GRPO " in text and "; uniform " in text
     for png in ("main_heldout.png", "main_training.png", "main_buffer.png", "main_analyses.png",
                 "ablations_heldout.png", "all_final.png"):
         assert (out / png).stat().st_size > 1000 and f"({png})" in text
@@ -229,6 +230,15 @@ def test_the_mechanism_table_reads_what_was_paid():
         [{"completion": "5 + 9 = 14, so 14.", "replayed": False, "reward": 0.0}]  # not paid: not read
     table = mechanism_table({"a": [run]}, ["a"])
     assert table[2] == "| a | 2.0 | 1.50 | 50.0% | 3: 1 / 1 / 1 | 1: 1 / 0 / 0 |"
+
+
+def test_the_take_off_count_compares_each_run_with_its_own_start():
+    from exgrpo.studies.report import take_off_line
+
+    late = Registration(primary="late_mean", late_evaluations=2)
+    up, flat = _result(1, [8] * 4, {2: 0.14, 4: 0.18}, initial=0.1), _result(2, [8] * 4, {2: 0.13, 4: 0.15})
+    assert take_off_line({"a": [up, flat]}, ["a"], late) == \
+        "Runs whose primary metric is at least 5 points above their step 0 (take-off): a 1 of 2."
 
 
 def test_medium_bucket_supply_reads_the_buckets_a_step_drew_its_replays_from():

@@ -310,6 +310,16 @@ def buffer_table(arms: dict[str, list[RunResult]], names: list[str]) -> list[str
     return lines
 
 
+def take_off_line(arms: dict[str, list[RunResult]], names: list[str], registered: Registration,
+                  gain: float = 0.05) -> str:
+    """The take-off count, a secondary: per arm, the runs whose registered primary metric is at least `gain` above
+    their own step-0 evaluation."""
+    counts = [f"{arms[n][0].arm.label} {sum(r.primary(registered) - r.curve()[2][0] >= gain for r in arms[n])} of "
+              f"{len(arms[n])}" for n in names]
+    return (f"Runs whose primary metric is at least {100 * gain:.0f} points above their step 0 (take-off): "
+            + "; ".join(counts) + ".")
+
+
 def mechanism_table(arms: dict[str, list[RunResult]], names: list[str]) -> list[str]:
     """Why a verdict came out as it did, per arm (mean over seeds): the first step with a correct rollout of the
     policy's own, replayed questions per step, zero-variance groups, and the logged samples that were paid (reward
@@ -386,6 +396,7 @@ def write_study_report(study: Study, out: str | Path, main_arms: list[str], only
         "## Coverage, zero-variance groups, entropy (mean over seeds)", "", *analyses_table(arms, names), "",
         "## What was paid, and why (mean over seeds; samples: every logged one, counted over seeds)", "",
         *mechanism_table(arms, names), "",
+        take_off_line(arms, names, reg), "",
         *[f"![{p}]({p})" for p in plots], "",
     ]
     path = out / "report.md"
