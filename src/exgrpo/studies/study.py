@@ -210,43 +210,53 @@ def run_study(study: Study, arms: list[str] | None = None, seeds: list[int] | No
     """Train every selected (arm, seed) run that has not reached its last step, resuming from its checkpoint.
     A SIGINT/SIGTERM stops the whole study once the current run has checkpointed; returns that signal's name (None
     when every run ended by itself)."""
-    from exgrpo.training.launch import prepared_run
+    for arm, seed in _selected_runs(study, arms, seeds):
+        stopped_by = _train_run(study, arm, seed, log)
+        if stopped_by:
+            return stopped_by
+    return None
 
+
+def _selected_runs(study: Study, arms: list[str] | None, seeds: list[int] | None) -> list[tuple[Arm, int]]:
+    """(arm, seed) pairs in the study's order, arm by arm; every requested seed must belong to a selected arm."""
     selected = [study.arm(a) for a in arms] if arms else list(study.arms)
-    unknown = sorted(set(seeds or ()) - {s for arm in selected for s in arm.seeds})
+    known = {s for arm in selected for s in arm.seeds}
+    unknown = sorted(set(seeds or ()) - known)
     if unknown:
         raise ConfigError(f"--seeds {' '.join(map(str, unknown))}: no selected arm of {study.path} has "
                           f"{'that seed' if len(unknown) == 1 else 'those seeds'} (its seeds: "
-                          f"{', '.join(map(str, sorted({s for arm in selected for s in arm.seeds})))})")
-    for arm in selected:
-        for seed in arm.seeds:
-            if seeds and seed not in seeds:
-                continue
-            config = study.config(arm, seed)
-            done = completed_steps(study.run_dir(arm, seed))
-            if run_complete(study.run_dir(arm, seed), config.train.steps):
-                log(f"{arm.name} seed {seed}: complete ({done} steps), skipped")
-                continue
+                          f"{', '.join(map(str, sorted(known)))})")
+    return [(arm, seed) for arm in selected for seed in arm.seeds if not seeds or seed in seeds]
 
-            def note(message: str, arm=arm, seed=seed) -> None:
-                log(f"{arm.name} seed {seed}: {message}")
 
-            with prepared_run(config, resume=True, log=note) as (run, checkpoint):
-                note(f"resuming at step {done}" if checkpoint else "starting")
-                if checkpoint is not None:
-                    run.trainer.resume(checkpoint, verified=True)
-                initial = study.initial_eval_path(config)
-                if checkpoint is None and not initial.exists():
-                    accuracy = run.trainer.evaluate()
-                    summary = {"accuracy": accuracy.mean, "stderr": accuracy.stderr,
-                               "num_questions": accuracy.num_questions,
-                               "samples_per_question": accuracy.samples_per_question}
-                    write_text_atomic(initial, json.dumps(summary))
-                    note(f"before training {accuracy}")
-                run.trainer.train()
-                if run.trainer.stopped_by:
-                    return run.trainer.stopped_by
-    return None
+def _train_run(study: Study, arm: Arm, seed: int, log: Callable[[str], None]) -> str | None:
+    """Train one run to its last step (skipped when complete), evaluating before training on a fresh start;
+    returns the signal's name if one stopped it."""
+    from exgrpo.training.launch import prepared_run
+
+    config = study.config(arm, seed)
+    done = completed_steps(study.run_dir(arm, seed))
+    if run_complete(study.run_dir(arm, seed), config.train.steps):
+        log(f"{arm.name} seed {seed}: complete ({done} steps), skipped")
+        return None
+
+    def note(message: str) -> None:
+        log(f"{arm.name} seed {seed}: {message}")
+
+    with prepared_run(config, resume=True, log=note) as (run, checkpoint):
+        note(f"resuming at step {done}" if checkpoint else "starting")
+        if checkpoint is not None:
+            run.trainer.resume(checkpoint, verified=True)
+        initial = study.initial_eval_path(config)
+        if checkpoint is None and not initial.exists():
+            accuracy = run.trainer.evaluate()
+            summary = {"accuracy": accuracy.mean, "stderr": accuracy.stderr,
+                       "num_questions": accuracy.num_questions,
+                       "samples_per_question": accuracy.samples_per_question}
+            write_text_atomic(initial, json.dumps(summary))
+            note(f"before training {accuracy}")
+        run.trainer.train()
+        return run.trainer.stopped_by
 
 
 @dataclass
