@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -348,6 +349,63 @@ def mechanism_table(arms: dict[str, list[RunResult]], names: list[str]) -> list[
     return lines
 
 
+SAMPLES_PAGE = "samples.md"
+
+
+def _states(completion: str, answer: str) -> bool:
+    """Whether `answer` appears in `completion` as a whole number or word (not inside a longer one)."""
+    return re.search(rf"(?<![\w.]){re.escape(answer)}(?![\w]|\.\d)", completion) is not None
+
+
+def samples_to_read(arms: dict[str, list[RunResult]], names: list[str], questions: dict[str, str]) -> list[str]:
+    """A page for reading what each run was paid for by hand: every logged sample that was paid, and every unpaid one
+    that states its gold answer somewhere (a possible miss of the reward), with its question (`questions`: id → the
+    prompt's last user message), gold answer and `classify`'s reading of its working."""
+    lines = ["# Logged samples to read", "",
+             "Every logged sample that was paid, and every unpaid one whose completion states its gold answer "
+             "somewhere; the working's class is `exgrpo.studies.working.classify`'s.", ""]
+    for name in names:
+        for run in arms[name]:
+            threshold = run.config.reward.success_threshold
+            lines += [f"## {run.arm.label}, seed {run.seed}: {sum(s['reward'] >= threshold for s in run.samples)} "
+                      f"paid of {len(run.samples)} logged", ""]
+            for s in run.samples:
+                paid = s["reward"] >= threshold
+                if not paid and not _states(s["completion"], s["answer"]):
+                    continue
+                question = " ".join(questions.get(s["question_id"], s["question_id"]).split())
+                reading = f"paid, {classify(s['completion']).replace('_', ' ')}" if paid else "not paid"
+                lines += [f"**step {s['step']}{', replayed' if s['replayed'] else ''}: {reading}.** {question} "
+                          f"Gold: {s['answer']}.", "", *[f"> {line}" for line in s["completion"].splitlines() or [""]],
+                          ""]
+    return lines
+
+
+def _question_texts(runs: list[RunResult]) -> dict[str, str]:
+    """id → last user message of every question the runs trained on (each data set read once)."""
+    from exgrpo.data import load_questions
+
+    texts, read = {}, set()
+    for run in runs:
+        d = run.config.data
+        key = (d.train, d.split, d.limit, d.skip_invalid, d.prompt_suffix)
+        if key not in read:
+            read.add(key)
+            for q in load_questions(d.train, split=d.split, limit=d.limit, skip_invalid=d.skip_invalid,
+                                    prompt_suffix=d.prompt_suffix):
+                texts[q.id] = q.messages[-1]["content"]
+    return texts
+
+
+def _write_samples_page(arms: dict[str, list[RunResult]], names: list[str], out: Path) -> list[str]:
+    """Writes `samples_to_read` to `out` when any run logged samples; returns the report's lines linking to it."""
+    logged = [r for n in names for r in arms[n] if r.samples]
+    if not logged:
+        return []
+    (out / SAMPLES_PAGE).write_text("\n".join(samples_to_read(arms, names, _question_texts(logged))))
+    return [f"Every paid logged sample, with its question, for reading by hand: [{SAMPLES_PAGE}]({SAMPLES_PAGE}).", ""]
+
+
 def _plots(arms: dict, names: list[str], main_arms: list[str], ablations: list[str], out: Path) -> list[str]:
     """The report's figures, written to `out`: the main arms' curves, the buffer and analyses of the last main arm,
     the ablations' curves against it, and every arm's final accuracy. Returns their file names."""
@@ -370,6 +428,7 @@ def write_study_report(study: Study, out: str | Path, main_arms: list[str], only
     arms = _by_arm(load_results(study, names))
     ablations = [n for n in names if n not in main_arms]
     plots = _plots(arms, names, main_arms, ablations, out)
+    samples_link = _write_samples_page(arms, names, out)
     write_curves(arms, out / "curves.json")
     c, reg = arms[names[0]][0].config, study.registered
     rows = {r.seed: r.initial["num_questions"] for runs in arms.values() for r in runs}
@@ -396,6 +455,7 @@ def write_study_report(study: Study, out: str | Path, main_arms: list[str], only
         "## Coverage, zero-variance groups, entropy (mean over seeds)", "", *analyses_table(arms, names), "",
         "## What was paid, and why (mean over seeds; samples: every logged one, counted over seeds)", "",
         *mechanism_table(arms, names), "",
+        *samples_link,
         take_off_line(arms, names, reg), "",
         *[f"![{p}]({p})" for p in plots], "",
     ]
