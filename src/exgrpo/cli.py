@@ -104,8 +104,8 @@ def _demo(args, overrides) -> int:
 
 
 def _experiment(args) -> int:
-    """Run (or resume) the runs of a multi-seed study, or write its report."""
-    from exgrpo.studies.study import load_study, run_study
+    """Run (or resume) the runs of a multi-seed study, say how far each got, or write its report."""
+    from exgrpo.studies.study import load_study, run_study, study_status
 
     study = load_study(args.study)
     if args.action == "run":
@@ -115,6 +115,9 @@ def _experiment(args) -> int:
             _note(f"{stopped}: the study stopped after checkpointing the current run; continue it with `exgrpo "
                   f"experiment run {args.study}`")
         return _stop_code(stopped)
+    if args.action == "status":
+        print("\n".join(study_status(study, arms=args.arms, seeds=args.seeds)))
+        return 0
     from exgrpo.studies.report import write_study_report
 
     main_arms = args.main or [study.baseline]
@@ -242,14 +245,15 @@ def _add_export_parser(sub) -> None:
 
 
 def _add_experiment_parser(sub) -> None:
-    p = sub.add_parser("experiment", help="multi-seed studies: run (resumable) and report",
+    p = sub.add_parser("experiment", help="multi-seed studies: run (resumable), status and report",
                        description="Train every arm × seed of a study file (skipping complete runs, resuming "
-                                   "interrupted ones), or write the study's plots and tables.")
-    p.add_argument("action", choices=["run", "report"])
+                                   "interrupted ones), say how far each run got, or write the study's plots and "
+                                   "tables.")
+    p.add_argument("action", choices=["run", "status", "report"])
     p.add_argument("study", help="study YAML (see exgrpo.studies.study)")
     p.add_argument("--arms", nargs="+", metavar="ARM",
                    help="only these arms (report: the baseline and --main among them)")
-    p.add_argument("--seeds", nargs="+", type=int, metavar="SEED", help="run: only these seeds")
+    p.add_argument("--seeds", nargs="+", type=int, metavar="SEED", help="run, status: only these seeds")
     p.add_argument("--output", default="docs/results", help="report: output directory (default: docs/results)")
     p.add_argument("--main", nargs="+", metavar="ARM",
                    help="report: the arms compared in the main plots, baseline first (default: the baseline)")

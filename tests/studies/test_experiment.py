@@ -14,7 +14,7 @@ from conftest import run_cli
 
 from exgrpo.config import ConfigError, config_from_dict
 from exgrpo.studies.study import (Arm, Registration, RunResult, completed_steps, load_results, load_study,
-                                  run_study)
+                                  run_study, study_status)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,6 +37,8 @@ def _study(tmp_path, arms=None, **extra):
 
 def test_study_runs_every_arm_and_seed_once_and_reports(tmp_path):
     study = load_study(_study(tmp_path))
+    assert study_status(study, seeds=[2]) == ["grpo seed 2: not started", "exgrpo seed 2: not started",
+                                              "0 of 2 runs complete"]
     messages = []
     run_study(study, log=messages.append)
     assert sum("starting" in m for m in messages) == 5
@@ -108,6 +110,8 @@ def test_interrupted_run_resumes_and_report_waits_for_it(tmp_path):
 
             shutil.rmtree(ckpt)
     assert completed_steps(study.run_dir(arm, 1)) == 2
+    status = run_cli(["experiment", "status", str(path)])
+    assert status.stdout.splitlines() == ["grpo seed 1: checkpointed at step 2 of 3", "0 of 1 runs complete"]
     with pytest.raises(ConfigError, match="grpo/seed-1"):
         load_results(study)
     messages = []
@@ -117,6 +121,7 @@ def test_interrupted_run_resumes_and_report_waits_for_it(tmp_path):
     assert messages[1:] == ["grpo seed 1: resuming at step 2"]
     assert [json.loads(x)["reward"] for x in metrics.read_text().splitlines()] == \
         [json.loads(x)["reward"] for x in full]
+    assert study_status(study) == ["grpo seed 1: complete (3 steps)", "1 of 1 runs complete"]
 
 
 @pytest.mark.parametrize("change, message", [

@@ -205,6 +205,22 @@ def completed_steps(run_dir: Path) -> int:
     return checkpoint_step(latest) if latest is not None else 0
 
 
+def study_status(study: Study, arms: list[str] | None = None, seeds: list[int] | None = None) -> list[str]:
+    """One line per selected run: complete, checkpointed part of the way, or not started; then the totals."""
+    lines, complete = [], 0
+    for arm, seed in _selected_runs(study, arms, seeds):
+        run_dir, steps = study.run_dir(arm, seed), study.config(arm, seed).train.steps
+        done = completed_steps(run_dir)
+        if run_complete(run_dir, steps):
+            complete += 1
+            state = f"complete ({done} steps)"
+        else:
+            state = (f"checkpointed at step {done} of {steps}" if done else
+                     "started, no checkpoint yet" if run_dir.exists() else "not started")
+        lines.append(f"{arm.name} seed {seed}: {state}")
+    return lines + [f"{complete} of {len(lines)} runs complete"]
+
+
 def run_study(study: Study, arms: list[str] | None = None, seeds: list[int] | None = None,
               log: Callable[[str], None] = print) -> str | None:
     """Train every selected (arm, seed) run that has not reached its last step, resuming from its checkpoint.
