@@ -5,9 +5,9 @@
 On one real batch (the step benchmark's: B prompts of the demo's addition set, K rollouts each from exgrpo's own
 HFEngine, SmolLM2 with the demo's LoRA), one JSON line per variant, medians of R repeats after a warm-up:
 
-* "update/current": the trainer's own micro-batch path (`exgrpo.learner.forward.token_logprobs` with entropies, `mixed_policy_loss`,
-  backward), split into forward and loss+backward; "update/current_entropy_bonus": the same with the default
-  entropy_coef 0.001 (the step benchmark uses 0, as TRL does), so the entropy term is differentiated too.
+* "update/current": the trainer's own micro-batch path (`exgrpo.learner.forward.token_logprobs` with entropies,
+  `mixed_policy_loss`, backward), split into forward and loss+backward; "update/current_entropy_bonus": the same with
+  the default entropy_coef 0.001 (the step benchmark uses 0, as TRL does), so the entropy term is differentiated too.
 * "update/no_entropy": the same without computing token entropies in the training forward.
 * "update/logsumexp_head": log-probs as logit[target] - logsumexp(logits) on the (N, T, V) logits, no full log-softmax
   tensor and no entropy (what a fused/chunked head would start from).

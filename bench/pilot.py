@@ -84,7 +84,8 @@ def pilot(name: str) -> dict:
                "heldout": {str(k): round(v, 3) for k, v in sorted(evaluations.items())},
                "mid_medium_share": round(mid_share[0], 3) if mid_share else None,
                "fewest_draws": min(draws[i] for i in trainer.experience.question_pool.questions),
-               "drawn_under_4_unretired": len(short), "train_questions": len(trainer.experience.question_pool.questions),
+               "drawn_under_4_unretired": len(short),
+               "train_questions": len(trainer.experience.question_pool.questions),
                "minutes": round((time.perf_counter() - start) / 60, 1)}
     summary["criteria"] = {"final_25_75": 0.25 <= final <= 0.75, "not_collapsed": final >= best - 0.10,
                            "mid_medium_third": bool(mid_share) and mid_share[0] >= 1 / 3, "drawn_4_times": not short}

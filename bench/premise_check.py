@@ -1,4 +1,5 @@
-"""The paper's entropy premise, checked on the base model without training (the premise the lowest-entropy selection rests on).
+"""The paper's entropy premise, checked on the base model without training (the premise the lowest-entropy selection
+rests on).
 
 ExGRPO replays, of a question's stored correct trajectories, the one with the lowest mean token entropy, on the
 premise that low entropy marks valid reasoning and high entropy a lucky guess with wrong working. This script
@@ -181,7 +182,8 @@ def main() -> None:
         "engine": args.engine + ("" if args.engine == "hf" else f" {args.engine_dtype}"),
         "accuracy": round(float(np.mean(total >= 1.0)), 4),
         "accuracy_truncated_graded": round(float(np.mean(graded >= 1.0)), 4),
-        "truncated_share": round(float(np.mean(truncated)), 3), "mean_completion_tokens": round(float(np.mean(lengths)), 1),
+        "truncated_share": round(float(np.mean(truncated)), 3),
+        "mean_completion_tokens": round(float(np.mean(lengths)), 1),
         "questions_with_a_success": len(by_question),
         "questions_with_2plus_correct": sum(1 for g in by_question.values() if len(g) >= 2),
         "correct": n_correct, "counts": counts,
@@ -191,7 +193,8 @@ def main() -> None:
         "mean_entropy_by_class": mean_entropy,
         "rule_working": rule_vs_random(working, args.seed),
         "rule_all": rule_vs_random(every, args.seed),
-        "seconds": {"engine_start": round(engine_ready - started, 1), "sampling": round(sampled - engine_ready, 1), "grading_and_entropy": round(scored - sampled, 1),
+        "seconds": {"engine_start": round(engine_ready - started, 1), "sampling": round(sampled - engine_ready, 1),
+                    "grading_and_entropy": round(scored - sampled, 1),
                     "total": round(time.perf_counter() - started, 1)},
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }

@@ -82,8 +82,8 @@ def realistic_batch(n: int, seed: int = 0) -> tuple[list[str], list[str]]:
                  + f"The polynomial is \\boxed{{x^2 {'+' if a >= b else '-'} {abs(a - b) if right else 1}x - {a * b}}}")
             g = f"x^2 {'+' if a >= b else '-'} {abs(a - b)}x - {a * b}"
         elif kind == 8:
-            steps = " ".join(f"Step {j}: we have ${j} \\cdot {a} = {j * a}$ and $\\sum_{{k=1}}^{{{j}}} k = {j * (j + 1) // 2}$."
-                             for j in range(1, 12))
+            steps = " ".join(f"Step {j}: we have ${j} \\cdot {a} = {j * a}$ and "
+                             f"$\\sum_{{k=1}}^{{{j}}} k = {j * (j + 1) // 2}$." for j in range(1, 12))
             c, g = f"{steps} Therefore the total is $\\boxed{{{value}}}$.", str(a + b)
         else:
             c, g = f"Let me think. {a} plus {b}... I believe it is {value}, maybe.", str(a + b)

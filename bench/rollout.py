@@ -14,7 +14,8 @@ measurement:
   decode loop does, finished rows included). The methods alternate, R repeats each; medians are reported.
 * "rollout" (mode "fixed"): both forced to exactly max_new_tokens (min_new_tokens = max_new_tokens); the engine's
   path is reproduced as HFEngine builds it (the prompts prefilled once per distinct prompt, then do_sample=False +
-  LogitsProcessorList([PerRowSampler])), since the engine API has no min_new_tokens. Equal token counts, so tokens/s compare the decode cost directly.
+  LogitsProcessorList([PerRowSampler])), since the engine API has no min_new_tokens. Equal token counts, so tokens/s
+  compare the decode cost directly.
 * "sampler": one logits-processor call on an (N, V) score matrix: PerRowSampler vs the default sampling path
   (softmax + torch.multinomial), ms per call, i.e. the per-decode-step overhead of per-row random streams.
 """

@@ -111,8 +111,9 @@ CASES = {
                              _raises(ConfigError, "unknown config field 'rollout.num_gen'")),
     "ill-typed config value": (lambda p: load_config(None, ["train.learning_rate=fast"]),
                                _raises(ConfigError, "train.learning_rate: expected a number, got 'fast'")),
-    "value outside the choices": (lambda p: load_config(None, ["objective.aggregation=mean"]),
-                                  _raises(ConfigError, "objective.aggregation: 'mean' is not allowed; expected one of")),
+    "value outside the choices": (
+        lambda p: load_config(None, ["objective.aggregation=mean"]),
+        _raises(ConfigError, "objective.aggregation: 'mean' is not allowed; expected one of")),
     "inconsistent batch sizes": (lambda p: load_config(None, ["train.prompts_per_step=3"]),
                                  _raises(ConfigError, "must be divisible by train.mini_batches")),
     "bad YAML": (lambda p: load_config(_write(p, "c.yaml", "train: {steps: [")),

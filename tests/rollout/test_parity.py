@@ -43,7 +43,8 @@ def test_the_probe_reports_and_stops_past_its_threshold():
     mask = torch.tensor([[True, True, False], [True, False, False]])
     engine = torch.tensor([[0.05, -0.05, 9.0], [0.2, 9.0, 9.0]])  # masked-out tokens do not count
     assert probe(1, engine, mask, trainer) == {}  # not a probe step
-    assert probe(0, engine, mask, trainer) == pytest.approx({"rollout/logp_diff_mean": 0.1, "rollout/logp_diff_max": 0.2})
+    assert probe(0, engine, mask, trainer) == pytest.approx({"rollout/logp_diff_mean": 0.1,
+                                                             "rollout/logp_diff_max": 0.2})
     with pytest.raises(TrainingError, match="step 3: the rollout engine's log-probs differ from the trainer's by 0.2"):
         probe(2, engine * 2, mask, trainer)
 

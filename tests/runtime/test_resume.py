@@ -28,8 +28,8 @@ TIMING = ("time/", "tokens_per_second", "experience/selection_time")
 
 def _train(run_dir, *extra, resume=False, kill_at=None):
     """The tiny run as a process; `kill_at` SIGKILLs it at that point (see tests/faults.py)."""
-    cmd = [sys.executable, "-m", "faults" if kill_at else "exgrpo", "train", "--config", str(ROOT / "configs" / "tiny.yaml"),
-           *OVERRIDES, f"logging.output_dir={run_dir}", *extra]
+    cmd = [sys.executable, "-m", "faults" if kill_at else "exgrpo", "train",
+           "--config", str(ROOT / "configs" / "tiny.yaml"), *OVERRIDES, f"logging.output_dir={run_dir}", *extra]
     if resume:
         cmd += ["--resume", "auto"]
     env = {**ENV, "EXGRPO_KILL_AT": kill_at} if kill_at else ENV
@@ -81,7 +81,8 @@ def _check_resumable(run) -> None:
     resumed = build_run(load_config(ROOT / "configs" / "tiny.yaml", OVERRIDES + [f"logging.output_dir={run}"]))
     try:
         resumed.trainer.resume(latest)
-        assert resumed.trainer.experience.buffer.fingerprint() == ExperienceBuffer.load(latest / "buffer.safetensors").fingerprint()
+        saved = ExperienceBuffer.load(latest / "buffer.safetensors")
+        assert resumed.trainer.experience.buffer.fingerprint() == saved.fingerprint()
         assert resumed.trainer.step == int(latest.name.split("-")[1]) and resumed.trainer.experience.phase == "mixed"
     finally:
         resumed.close()

@@ -113,7 +113,8 @@ def test_k_counts_the_policys_own_members_and_demonstrations_are_never_stored(ti
     # q0: demo + 3 correct own rollouts: every own member correct, retired; q1: demo correct, own wrong: k = 0,
     # nothing of its own to store
     assert trainer.experience.buffer.is_retired("q0") and "q1" not in trainer.experience.buffer
-    assert all(t.token_ids.tolist() == a for q in trainer.experience.buffer.questions() for t in trainer.experience.buffer.trajectories(q))
+    buffer = trainer.experience.buffer
+    assert all(t.token_ids.tolist() == a for q in buffer.questions() for t in buffer.trajectories(q))
 
 
 def test_fallback_stops_guiding_a_question_once_the_policy_solves_it(tiny_policy, scripted_engine):

@@ -97,7 +97,8 @@ def _model_and_data_rules(cfg):
         yield 0 <= lora.dropout < 1, f"model.lora.dropout must be in [0, 1) (got {lora.dropout})"
         yield _text("model.lora.target_modules", lora.target_modules)
         yield all(lora.modules), \
-            f"model.lora.target_modules must be all-linear or a comma list of module names (got {lora.target_modules!r})"
+            (f"model.lora.target_modules must be all-linear or a comma list of module names "
+             f"(got {lora.target_modules!r})")
     yield _text("data.train", d.train)
     yield _text("data.split", d.split)
     yield _optional_at_least("data.limit", d.limit, 1)
@@ -127,15 +128,16 @@ def _rollout_rules(cfg, given: set[str]):
     yield ro.parity_threshold is None or ro.parity_threshold > 0, \
         f"rollout.parity_threshold must be null or > 0 (got {ro.parity_threshold})"
     yield ro.engine == "hf" or (ro.top_p == 1 and ro.top_k == 0), \
-        (f"rollout.engine {ro.engine} reports log-probs renormalised over the top-p/top-k set, which the trainer does not "
-         "use: it needs rollout.top_p 1 and rollout.top_k 0")
+        (f"rollout.engine {ro.engine} reports log-probs renormalised over the top-p/top-k set, which the trainer "
+         "does not use: it needs rollout.top_p 1 and rollout.top_k 0")
     yield ro.engine != "hf" or not _set_any(given, "rollout.engine_dtype", "rollout.max_model_len",
                                             "rollout.kv_cache_gb", "objective.engine_correction"), \
         ("rollout.engine_dtype, max_model_len, kv_cache_gb and objective.engine_correction apply to rollout.engine "
          "vllm and servers only")
     yield not (o.engine_correction == "none" and engine_precision(cfg) != compute_precision(cfg)), \
-        (f"the {ro.engine} engine samples in {engine_precision(cfg)} but the trainer computes in {compute_precision(cfg)}: "
-         "its log-probs differ, so objective.engine_correction must not be none (use tis or auto)")
+        (f"the {ro.engine} engine samples in {engine_precision(cfg)} but the trainer computes in "
+         f"{compute_precision(cfg)}: its log-probs differ, so objective.engine_correction must not be none (use tis "
+         "or auto)")
     yield o.tis_cap >= 1, f"objective.tis_cap must be >= 1 (got {o.tis_cap})"
     yield _at_least("rollout.max_generation_rounds", ro.max_generation_rounds, 1)
     yield ro.zero_variance != "keep" or not _set_any(given, "rollout.max_generation_rounds"), \

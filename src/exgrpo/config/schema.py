@@ -104,10 +104,11 @@ class RolloutConfig:
     max_staleness: int = 1
     """async: how many steps the sampling weights lag the learner's (0: the same run as sync mode)."""
     engine_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """vllm, servers: the engine's precision; auto is the trainer's compute precision (bfloat16 under train.dtype bf16)."""
+    """vllm, servers: the engine's precision; auto is the trainer's compute precision (bfloat16 under train.dtype
+    bf16)."""
     max_model_len: int | None = None
-    """vllm, servers (`exgrpo serve`): prompt + completion tokens per sequence; null: data.max_prompt_length (else the longest prompt in the
-    data) + max_completion_length."""
+    """vllm, servers (`exgrpo serve`): prompt + completion tokens per sequence; null: data.max_prompt_length (else
+    the longest prompt in the data) + max_completion_length."""
     gpu_memory_utilization: float = 0.5
     """vllm on CUDA: the share of GPU memory the colocated engine may take (weights and KV cache)."""
     kv_cache_gb: float | None = None

@@ -7,6 +7,6 @@ from exgrpo.data.questions import (RG_PREFIX, DataError, Question, QuestionSet, 
                                    parse_reasoning_gym_source)
 from exgrpo.data.splits import collapse_replicas, conflicting_answers, distinct_prompts, split_holdout
 
-__all__ = ["DataError", "PromptEncoder", "drop_long_prompts", "Question", "QuestionPool", "QuestionSet", "RG_PREFIX", "collapse_replicas",
-           "conflicting_answers", "distinct_prompts", "load_questions", "parse_reasoning_gym_source", "render_prompt",
-           "split_holdout"]
+__all__ = ["DataError", "PromptEncoder", "drop_long_prompts", "Question", "QuestionPool", "QuestionSet", "RG_PREFIX",
+           "collapse_replicas", "conflicting_answers", "distinct_prompts", "load_questions",
+           "parse_reasoning_gym_source", "render_prompt", "split_holdout"]
