@@ -109,6 +109,9 @@ RESTATEMENT_CASES = [
     (r"\boxed{3 \cdot 4 + 0x}", "12", "Calculate 3 * 4.", 0.0),  # a free symbol, padding with 0
     (r"\boxed{3 \cdot 4 \cdot 1}", "12", "Calculate 3 * 4.", 0.0),
     (r"\boxed{2^{10}}", "1024", "Compute $2^{10}$.", 0.0),
+    # math-verify reads 6 + 62 + 100 paired with the text "(10).": the value is judged too (round five's study)
+    ("To get 100 + 6 + 62, I added the number of rows (6) and subtracted the number of columns (10).", "168",
+     "Calculate 100 + 6 + 62. Answer with only the final number.", 0.0),
     ("752 * -611 + 290 = -459182", "-459182", "Calculate 752 * -611 + 290.", 1.0),  # restated, then computed
     ("The answer is $x = -459182$.", "-459182", "Calculate 752 * -611 + 290.", 1.0),
     ("-459182", "-459182", "Calculate 752 * -611 + 290.", 1.0),

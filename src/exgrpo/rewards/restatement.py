@@ -48,7 +48,10 @@ def is_restatement(value: object, text: str, question: str) -> bool:
         return False
     if value.has(sympy.UnevaluatedExpr) or _PLAIN_FRACTION.fullmatch(text):  # n% is n * UnevaluatedExpr(1/100)
         return False
-    return _LAYOUT.sub("", text) in _LAYOUT.sub("", question) or _numbers_stand_together(text, question)
+    # math-verify can pair a value with text it was not read from ("To get 100 + 6 + 62, I ... (10)." reads as
+    # 6 + 62 + 100 with the text "(10)."), so the value's own numbers are judged too
+    return (_LAYOUT.sub("", text) in _LAYOUT.sub("", question) or _numbers_stand_together(text, question)
+            or _numbers_stand_together(str(value), question))
 
 
 def _numbers_stand_together(text: str, question: str) -> bool:
