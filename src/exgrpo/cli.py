@@ -20,7 +20,7 @@ from rich.table import Table
 from exgrpo import __version__
 from exgrpo.config import ConfigError, load_config, preset_names
 from exgrpo.errors import ExgrpoError, ExgrpoWarning
-from exgrpo.runtime.signals import StopNow
+from exgrpo.runtime.signals import StopNow, sigterm_stops_at_once
 
 
 def _train(args, overrides) -> int:
@@ -370,9 +370,10 @@ def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = lambda message, category, *rest: f"exgrpo: warning: {message}\n" \
         if issubclass(category, ExgrpoWarning) else library_format(message, category, *rest)
     try:
-        return {"train": _train, "demo": _demo, "experiment": lambda a, _: _experiment(a),
-                "export": lambda a, _: _export(a), "buffer": lambda a, _: _buffer(a),
-                "serve": _serve}[args.command](args, overrides)
+        with sigterm_stops_at_once():
+            return {"train": _train, "demo": _demo, "experiment": lambda a, _: _experiment(a),
+                    "export": lambda a, _: _export(a), "buffer": lambda a, _: _buffer(a),
+                    "serve": _serve}[args.command](args, overrides)
     except ConfigError as e:
         print(f"exgrpo: config error: {e}", file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@ once."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -12,8 +13,8 @@ class StopNow(BaseException):
     """A second SIGINT/SIGTERM: stop at once, without checkpointing the unit of work in progress (a BaseException,
     like KeyboardInterrupt: a reward function's `except Exception` must not swallow it)."""
 
-    def __init__(self, signal_name: str):
-        super().__init__(f"{signal_name} again: stopped at once")
+    def __init__(self, signal_name: str, again: bool = True):
+        super().__init__(f"{signal_name}{' again' if again else ''}: stopped at once")
         self.signal_name = signal_name
 
 
@@ -43,3 +44,22 @@ class StopRequest:
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def _stop_now(signum, frame):
+    raise StopNow(signal.Signals(signum).name, again=False)
+
+
+@contextlib.contextmanager
+def sigterm_stops_at_once():
+    """Outside a `StopRequest` (start-up, the evaluation before training, teardown), SIGTERM raises `StopNow` as
+    SIGINT raises KeyboardInterrupt: `finally` blocks then remove temporary model copies and release run locks,
+    which SIGTERM's default action (the process dies) skips."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _stop_now)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
