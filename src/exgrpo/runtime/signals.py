@@ -10,8 +10,9 @@ import threading
 
 
 class StopNow(BaseException):
-    """A second SIGINT/SIGTERM: stop at once, without checkpointing the unit of work in progress (a BaseException,
-    like KeyboardInterrupt: a reward function's `except Exception` must not swallow it)."""
+    """A second SIGINT/SIGTERM, or a SIGTERM outside training (`sigterm_stops_at_once`): stop at once, without
+    checkpointing the unit of work in progress (a BaseException, like KeyboardInterrupt: a reward function's
+    `except Exception` must not swallow it)."""
 
     def __init__(self, signal_name: str, again: bool = True):
         super().__init__(f"{signal_name}{' again' if again else ''}: stopped at once")
