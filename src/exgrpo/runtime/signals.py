@@ -54,8 +54,8 @@ def _stop_now(signum, frame):
 @contextlib.contextmanager
 def sigterm_stops_at_once():
     """Outside a `StopRequest` (start-up, the evaluation before training, teardown), SIGTERM raises `StopNow` as
-    SIGINT raises KeyboardInterrupt: `finally` blocks then remove temporary model copies and release run locks,
-    which SIGTERM's default action (the process dies) skips."""
+    SIGINT raises KeyboardInterrupt: `finally` blocks then remove temporary model copies, which SIGTERM's default
+    action (the process dies) skips."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
