@@ -351,6 +351,12 @@ def _check_eval_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"--output {output}: cannot write there ({e.strerror or e})")
 
 
+def _eval(args, argv: list[str]) -> int:
+    from exgrpo.evaluation.evaluate import eval_command
+
+    return eval_command(args, argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     argv = sys.argv[1:] if argv is None else argv
@@ -363,17 +369,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     if args.command == "eval":
         _check_eval_args(parser, args)
-        from exgrpo.evaluation.evaluate import eval_command
-
-        return eval_command(args, argv)
     library_format = warnings.formatwarning
     warnings.formatwarning = lambda message, category, *rest: f"exgrpo: warning: {message}\n" \
         if issubclass(category, ExgrpoWarning) else library_format(message, category, *rest)
     try:
         with sigterm_stops_at_once():
-            return {"train": _train, "demo": _demo, "experiment": lambda a, _: _experiment(a),
-                    "export": lambda a, _: _export(a), "buffer": lambda a, _: _buffer(a),
-                    "serve": _serve}[args.command](args, overrides)
+            return {"train": _train, "demo": _demo, "eval": lambda a, _: _eval(a, argv),
+                    "experiment": lambda a, _: _experiment(a), "export": lambda a, _: _export(a),
+                    "buffer": lambda a, _: _buffer(a), "serve": _serve}[args.command](args, overrides)
     except ConfigError as e:
         print(f"exgrpo: config error: {e}", file=sys.stderr)
         return 2
@@ -381,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"exgrpo: error: {e}", file=sys.stderr)
         return 2
     except StopNow as e:
-        _note(f"{e}; --resume continues from the last checkpoint")
+        _note(str(e) if args.command == "eval" else f"{e}; --resume continues from the last checkpoint")
         return _stop_code(e.signal_name)
     finally:
         warnings.formatwarning = library_format
