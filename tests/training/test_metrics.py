@@ -31,6 +31,7 @@ def test_a_metrics_file_written_before_a_rename_reads_under_the_new_names(tmp_pa
 def test_every_key_a_mixed_phase_run_logs_is_defined(tiny_policy, questions, tmp_path):
     """A tiny run through warm-up, the switch and replays, with held-out evaluation and replica checks."""
     from exgrpo.config import config_from_dict
+    from exgrpo.runtime.tracking import read_metrics
     from exgrpo.training.trainer import ExGRPOTrainer
 
     config = config_from_dict({
@@ -39,7 +40,7 @@ def test_every_key_a_mixed_phase_run_logs_is_defined(tiny_policy, questions, tmp
                   "check_replicas": True, "save_every": 0},
         "experience": {"start_threshold": 0.0},
         "eval": {"every": 2, "samples": 1},
-        "logging": {"output_dir": str(tmp_path / "run"), "progress": False, "tensorboard": False},
+        "logging": {"output_dir": str(tmp_path / "run"), "progress": False, "tensorboard": False, "sample_every": 2},
     })
     model, tokenizer = tiny_policy
 
@@ -51,6 +52,8 @@ def test_every_key_a_mixed_phase_run_logs_is_defined(tiny_policy, questions, tmp
     keys = {k for m in history for k in m} | {"step", "time"}
     assert "replay/ratio_mean" in keys and "eval/accuracy" in keys  # the run reached replays and evaluation
     assert not [k for k in keys if definition(k) is None]
+    samples = read_metrics(tmp_path / "run" / "samples.jsonl")
+    assert {s["step"] for s in samples} == {2, 4} and all(isinstance(s["truncated"], bool) for s in samples)
 
 
 def test_the_progress_line_fits_80_columns_with_every_figure(tmp_path):

@@ -13,6 +13,7 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from exgrpo.config import DataConfig  # noqa: E402
 from exgrpo.studies.study import Registration, RunResult, Study, load_results, mixed_phase_start  # noqa: E402
 from exgrpo.studies.statistics import paired_difference, power_statement, t_interval, verdict  # noqa: E402
 from exgrpo.studies.working import classify  # noqa: E402
@@ -360,7 +361,8 @@ def _states(completion: str, answer: str) -> bool:
 def samples_to_read(arms: dict[str, list[RunResult]], names: list[str], questions: dict[str, str]) -> list[str]:
     """A page for reading what each run was paid for by hand: every logged sample that was paid, and every unpaid one
     that states its gold answer somewhere (a possible miss of the reward), with its question (`questions`: id → the
-    prompt's last user message), gold answer and `classify`'s reading of its working."""
+    prompt's last user message), gold answer and `classify`'s reading of its working (samples logged without the
+    `truncated` field read "not paid" whether cut or not)."""
     lines = ["# Logged samples to read", "",
              "Every logged sample that was paid, and every unpaid one whose completion states its gold answer "
              "somewhere; the working's class is `exgrpo.studies.working.classify`'s.", ""]
@@ -374,20 +376,21 @@ def samples_to_read(arms: dict[str, list[RunResult]], names: list[str], question
                 if not paid and not _states(s["completion"], s["answer"]):
                     continue
                 question = " ".join(questions.get(s["question_id"], s["question_id"]).split())
-                reading = f"paid, {classify(s['completion']).replace('_', ' ')}" if paid else "not paid"
+                reading = f"paid, {classify(s['completion']).replace('_', ' ')}" if paid else \
+                    "not paid, cut at the length cap" if s.get("truncated") else "not paid"
                 lines += [f"**step {s['step']}{', replayed' if s['replayed'] else ''}: {reading}.** {question} "
                           f"Gold: {s['answer']}.", "", *[f"> {line}" for line in s["completion"].splitlines() or [""]],
                           ""]
     return lines
 
 
-def _question_texts(runs: list[RunResult]) -> dict[str, str]:
-    """id → last user message of every question the runs trained on (each data set read once)."""
+def question_texts(data_configs: list[DataConfig]) -> dict[str, str]:
+    """id → last user message (prompt suffix included) of every question these data configs train on, each data set
+    read once."""
     from exgrpo.data import load_questions
 
     texts, read = {}, set()
-    for run in runs:
-        d = run.config.data
+    for d in data_configs:
         key = (d.train, d.split, d.limit, d.skip_invalid, d.prompt_suffix)
         if key not in read:
             read.add(key)
@@ -402,7 +405,8 @@ def _write_samples_page(arms: dict[str, list[RunResult]], names: list[str], out:
     logged = [r for n in names for r in arms[n] if r.samples]
     if not logged:
         return []
-    (out / SAMPLES_PAGE).write_text("\n".join(samples_to_read(arms, names, _question_texts(logged))))
+    questions = question_texts([r.config.data for r in logged])
+    (out / SAMPLES_PAGE).write_text("\n".join(samples_to_read(arms, names, questions)))
     return [f"Every paid logged sample, with its question, for reading by hand: [{SAMPLES_PAGE}]({SAMPLES_PAGE}).", ""]
 
 

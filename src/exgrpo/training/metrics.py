@@ -274,12 +274,14 @@ def replay_age_metrics(groups: Sequence[Group], step: int, version: int) -> dict
 
 
 def sample_lines(groups: Sequence[Group], rewards: np.ndarray, tokenizer, limit: int = 4) -> list[dict]:
-    """samples.jsonl lines: the first member of the step's first `limit` groups, decoded, with its reward."""
+    """samples.jsonl lines: the first member of the step's first `limit` groups, decoded, with its reward and whether
+    it was cut at rollout.max_completion_length."""
     out = []
     for g, r in list(zip(groups, rewards))[:limit]:
         m = g.members[0]
         out.append({"question_id": g.question.id, "answer": g.question.answer, "replayed": m.replay is not None,
-                    "completion": tokenizer.decode(m.completion_ids, skip_special_tokens=True), "reward": float(r[0])})
+                    "completion": tokenizer.decode(m.completion_ids, skip_special_tokens=True), "reward": float(r[0]),
+                    "truncated": m.truncated})
     return out
 
 
