@@ -205,18 +205,21 @@ def completed_steps(run_dir: Path) -> int:
     return checkpoint_step(latest) if latest is not None else 0
 
 
+def run_state(run_dir: Path, steps: int) -> tuple[bool, int, str]:
+    """Whether the run is complete (`run_complete`), its last checkpoint's step, and its state in words."""
+    done = completed_steps(run_dir)
+    if run_complete(run_dir, steps):
+        return True, done, f"complete ({done} steps)"
+    return False, done, (f"checkpointed at step {done} of {steps}" if done else
+                         "started, no checkpoint yet" if run_dir.exists() else "not started")
+
+
 def study_status(study: Study, arms: list[str] | None = None, seeds: list[int] | None = None) -> list[str]:
     """One line per selected run: complete, checkpointed part of the way, or not started; then the totals."""
     lines, complete = [], 0
     for arm, seed in _selected_runs(study, arms, seeds):
-        run_dir, steps = study.run_dir(arm, seed), study.config(arm, seed).train.steps
-        done = completed_steps(run_dir)
-        if run_complete(run_dir, steps):
-            complete += 1
-            state = f"complete ({done} steps)"
-        else:
-            state = (f"checkpointed at step {done} of {steps}" if done else
-                     "started, no checkpoint yet" if run_dir.exists() else "not started")
+        finished, _, state = run_state(study.run_dir(arm, seed), study.config(arm, seed).train.steps)
+        complete += finished
         lines.append(f"{arm.name} seed {seed}: {state}")
     return lines + [f"{complete} of {len(lines)} runs complete"]
 
@@ -251,9 +254,9 @@ def _train_run(study: Study, arm: Arm, seed: int, log: Callable[[str], None]) ->
     from exgrpo.training.launch import prepared_run
 
     config = study.config(arm, seed)
-    done = completed_steps(study.run_dir(arm, seed))
-    if run_complete(study.run_dir(arm, seed), config.train.steps):
-        log(f"{arm.name} seed {seed}: complete ({done} steps), skipped")
+    complete, done, state = run_state(study.run_dir(arm, seed), config.train.steps)
+    if complete:
+        log(f"{arm.name} seed {seed}: {state}, skipped")
         return None
 
     def note(message: str) -> None:
