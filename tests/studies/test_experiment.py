@@ -250,7 +250,6 @@ def test_the_samples_page_shows_every_paid_sample_and_every_unpaid_one_stating_i
               ("83 + 95 + 10 = 188\nSo", False, 0.0)]  # cut at the cap: unpaid, states the gold answer
     run.samples = [{"step": 5, "question_id": "sums/0", "answer": "188", "completion": text, "replayed": replayed,
                     "reward": reward, "truncated": text.endswith("So")} for text, replayed, reward in logged]
-    assert _write_samples_page({"a": [_result(2, [8], {})]}, ["a"], tmp_path) == []  # nothing logged: no page
     link = _write_samples_page({"a": [run]}, ["a"], tmp_path)
     assert f"[{SAMPLES_PAGE}]({SAMPLES_PAGE})" in link[0]
     page = (tmp_path / SAMPLES_PAGE).read_text()
@@ -258,6 +257,8 @@ def test_the_samples_page_shows_every_paid_sample_and_every_unpaid_one_stating_i
     assert ("**step 5, replayed: paid, lucky.** Calculate 83 + 95 + 10. Answer with only the number. Gold: 188.\n\n"
             "> 83 + 95 = 188\n") in page
     assert "**step 5: not paid, cut at the length cap.** Calculate" in page and "> 83 + 95 + 10 = 188\n> So\n" in page
+    assert _write_samples_page({"a": [_result(2, [8], {})]}, ["a"], tmp_path) == []  # nothing logged: no page,
+    assert not (tmp_path / SAMPLES_PAGE).exists()  # not even the last report's
 
 
 def test_the_take_off_count_compares_each_run_with_its_own_start():

@@ -401,9 +401,11 @@ def question_texts(data_configs: list[DataConfig]) -> dict[str, str]:
 
 
 def _write_samples_page(arms: dict[str, list[RunResult]], names: list[str], out: Path) -> list[str]:
-    """Writes `samples_to_read` to `out` when any run logged samples; returns the report's lines linking to it."""
+    """Writes `samples_to_read` to `out` when any run logged samples (else removes an earlier report's page); returns
+    the report's lines linking to it."""
     logged = [r for n in names for r in arms[n] if r.samples]
     if not logged:
+        (out / SAMPLES_PAGE).unlink(missing_ok=True)
         return []
     questions = question_texts([r.config.data for r in logged])
     (out / SAMPLES_PAGE).write_text("\n".join(samples_to_read(arms, names, questions)))
