@@ -316,6 +316,11 @@ class TrainConfig:
     """Skip the update when the grad norm is non-finite or above this (.inf: never skip a finite one)."""
     max_skipped_optimizer_steps: int = 5
     """Stop with an error once more optimizer steps than this have been skipped in the run."""
+    zero_advantage_steps: Literal["apply", "skip"] = "apply"
+    """A mini-batch whose advantages are all 0 (every group's K rewards equal) has no policy-gradient signal: its
+    gradient is the entropy bonus alone, which AdamW makes a full-size step while its moments have seen little else
+    (a run with no success from its start drifts towards uniform noise). apply: step on it (released); skip:
+    leave the weights and AdamW's moments as they are (the schedule still advances)."""
     seed: int = 47
     """Seeds the data order, batch composition, rollouts and held-out sampling."""
     save_every: int = 50

@@ -102,6 +102,11 @@ def frozen_linear_weights_as(model: torch.nn.Module, dtype: torch.dtype, enabled
             w.data = data
 
 
+SKIPPED_STEP_COUNTERS = ("skipped_optimizer_steps", "skipped_zero_advantage_steps")
+COUNTERS = ("optimizer_steps", *SKIPPED_STEP_COUNTERS)
+"""The learner's step counters, saved with its optimizer state."""
+
+
 class Learner:
     """Owns the (sharded or replicated) trainable model, its optimizer and scheduler; applies one step's update
     (`__call__`) and counts it in `weights_version`.
@@ -157,11 +162,12 @@ class Learner:
                                        num_training_steps=train.steps * train.mini_batches)
         self.optimizer_steps = 0
         self.skipped_optimizer_steps = 0
+        self.skipped_zero_advantage_steps = 0  # train.zero_advantage_steps=skip; not bounded like the above
 
     @property
     def weights_version(self) -> int:
         """The optimizer steps applied to the weights so far (skipped ones change nothing)."""
-        return self.optimizer_steps - self.skipped_optimizer_steps
+        return self.optimizer_steps - self.skipped_optimizer_steps - self.skipped_zero_advantage_steps
 
     @property
     def learning_rate(self) -> float:
@@ -227,7 +233,7 @@ class Learner:
                 loss_sum += loss
                 parts += stats
                 with timer("optimizer"):
-                    grad_norms.append(self._optimizer_step())
+                    grad_norms.append(self._optimizer_step(has_signal=bool(advantages[mini].any())))
         gathered_parts = self.dist.gather([(parts, loss_sum)])
         stats = merge_stats([p for ps, _ in gathered_parts for p in ps])
         stats["loss"] = sum(loss for _, loss in gathered_parts)  # as optimised: summed over micro-batches
@@ -324,10 +330,13 @@ class Learner:
         (loss * self.parallel.loss_multiplier).backward()
         return loss.item(), stats
 
-    def _optimizer_step(self) -> float:
+    def _optimizer_step(self, has_signal: bool) -> float:
+        """Applies the accumulated gradients unless skipped; `has_signal`: some advantage of the mini-batch is not 0."""
         norm = self.parallel.clip_gradients(self.params, self.train.max_grad_norm)
         applied = math.isfinite(norm) and norm <= self.train.skip_grad_norm
-        if not applied:
+        if not has_signal and self.train.zero_advantage_steps == "skip":
+            self.skipped_zero_advantage_steps += 1
+        elif not applied:
             self.skipped_optimizer_steps += 1
             if self.skipped_optimizer_steps > self.train.max_skipped_optimizer_steps:
                 raise TrainingError(f"{self.skipped_optimizer_steps} optimizer steps skipped (gradient norm {norm:g}: "
@@ -347,9 +356,10 @@ class Learner:
         """Optimizer state keyed by parameter name (independent of sharding), scheduler, counters. Every rank
         must call it under FSDP."""
         return {"optimizer": self.parallel.optimizer_state(self.optimizer), "scheduler": self.scheduler.state_dict(),
-                "optimizer_steps": self.optimizer_steps, "skipped_optimizer_steps": self.skipped_optimizer_steps}
+                **{name: getattr(self, name) for name in COUNTERS}}
 
     def load_state_dict(self, state: dict) -> None:
         self.parallel.load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self.optimizer_steps, self.skipped_optimizer_steps = state["optimizer_steps"], state["skipped_optimizer_steps"]
+        for name in COUNTERS:
+            setattr(self, name, state[name])

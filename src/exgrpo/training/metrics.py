@@ -67,6 +67,8 @@ METRICS: tuple[Metric, ...] = tuple(
         ("learning_rate", "The scheduler's learning rate after the step."),
         ("skipped_optimizer_steps", "Optimizer steps skipped so far because the gradient norm was non-finite or above "
                             "`train.skip_grad_norm` (cumulative)."),
+        ("skipped_zero_advantage_steps", "Optimizer steps skipped so far because every advantage of their "
+                                         "mini-batch was 0 (`train.zero_advantage_steps` skip; cumulative)."),
         ("entropy", "Mean per-token entropy (nats, temperature `rollout.temperature`) of the current policy over "
                     "all completion tokens, from the training forward passes."),
         ("entropy/replayed", "Token-mean entropy under the current policy (training forward) of the step's replayed "
@@ -213,11 +215,11 @@ class StepRecord:
 
 
 def step_metrics(record: StepRecord, buffer: ExperienceBuffer, *, step: int, version: int, fresh_remaining: int,
-                 learning_rate: float, skipped_optimizer_steps: int, ever_correct: int, guidance: bool,
+                 learning_rate: float, skipped: dict[str, int], ever_correct: int, guidance: bool,
                  timings: dict[str, float], elapsed: float) -> dict:
     """The metrics of one step (0-based index `step`, learner weights at `version` before its update; see
-    METRICS), the buffer and counters as they are after it; `timings` holds the `time/<stage>` seconds, `elapsed`
-    the step's wall time."""
+    METRICS), the buffer and counters as they are after it (`skipped`: the skipped optimizer steps so far, by
+    metric name); `timings` holds the `time/<stage>` seconds, `elapsed` the step's wall time."""
     groups, rewards, batch = record.groups, record.rewards, record.batch
     lengths = batch.completion_mask.sum(-1)
     truncated = [m.truncated for g in groups for m in g.members if m.sampled]
@@ -233,7 +235,7 @@ def step_metrics(record: StepRecord, buffer: ExperienceBuffer, *, step: int, ver
         "completions/mean_length": float(lengths.mean()),
         "completions/clipped_ratio": float(np.mean(truncated)) if truncated else 0.0,
         "learning_rate": learning_rate,
-        "skipped_optimizer_steps": float(skipped_optimizer_steps),
+        **{name: float(n) for name, n in skipped.items()},
         "experience/questions": float(len(buffer)),
         "experience/trajectories": float(buffer.num_trajectories),
         "experience/retired": float(buffer.num_retired),

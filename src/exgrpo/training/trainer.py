@@ -42,7 +42,7 @@ from exgrpo.evaluation.contamination import screen_benchmark_questions
 from exgrpo.evaluation.heldout import Accuracy, evaluate_accuracy
 from exgrpo.experience.buffer import read_state, write_state
 from exgrpo.learner.objective import group_advantages
-from exgrpo.learner.learner import Learner, loss_settings
+from exgrpo.learner.learner import COUNTERS, SKIPPED_STEP_COUNTERS, Learner, loss_settings
 from exgrpo.models import save_policy
 from exgrpo.records import Trajectory
 from exgrpo.rewards import GradingPool
@@ -59,6 +59,7 @@ from exgrpo.runtime.signals import StopRequest
 from exgrpo.runtime.timing import StageTimer
 from exgrpo.runtime.tracking import Tracker, truncate_metrics
 from exgrpo.tensors import TrajectoryScore
+from exgrpo.training.entropy_drift import EntropyDriftWatch
 from exgrpo.training.experience_side import ExperienceSide
 from exgrpo.training.generation import GenerationRounds
 from exgrpo.training.groups import pack_groups
@@ -112,6 +113,7 @@ class ExGRPOTrainer:
         self.schedule = Schedule(self.source, lambda step, in_flight, timer: self.experience.plan(
             step, self.learner.weights_version, in_flight, timer), staleness, c.train.steps)
         self.parity = ParityProbe.from_config(c, self.engine)
+        self.entropy_drift = EntropyDriftWatch(c)
         self.step, self._resumed, self.stopped_by, self.history = 0, False, None, []  # history: per-step metrics
         self.last_step: StepRecord | None = None
         self.last_evaluation: Accuracy | None = None  # the latest periodic evaluation
@@ -160,12 +162,13 @@ class ExGRPOTrainer:
         metrics = step_metrics(record, experience.buffer, step=step, version=version,
                                fresh_remaining=experience.question_pool.remaining,
                                ever_correct=len(experience.ever_correct), learning_rate=self.learner.learning_rate,
-                               skipped_optimizer_steps=self.learner.skipped_optimizer_steps,
+                               skipped={name: getattr(self.learner, name) for name in SKIPPED_STEP_COUNTERS},
                                guidance=bool(experience.guidance), timings=timer.metrics(), elapsed=elapsed)
         if planned.version == version:  # engine and trainer on the same weights: not on rollouts of older ones
             metrics.update(self.parity(step, record.batch.engine_logp, record.batch.engine_mask,
                                        record.update.old_logp))
         metrics.update(self.source.step_metrics(record.groups, version))
+        self.entropy_drift.observe(self.step, metrics)
         if c.train.check_replicas:
             metrics.update(check_replicas(self.dist, self.step, experience.buffer.fingerprint(), self.learner.replica))
         log_samples = c.logging.sample_every and self.step % c.logging.sample_every == 0
@@ -263,16 +266,16 @@ class ExGRPOTrainer:
         with their rollouts (waited for) and the resolved config, "optimizer": optimizer and scheduler state,
         "buffer": the experience buffer's state}."""
         learner, experience = self.learner.state_dict(), self.experience.state_dict()
-        trainer = {"step": self.step, **experience["trainer"], "optimizer_steps": learner.pop("optimizer_steps"),
-                   "skipped_optimizer_steps": learner.pop("skipped_optimizer_steps"), "config": self.config.to_dict()}
+        trainer = {"step": self.step, **experience["trainer"], **{name: learner.pop(name) for name in COUNTERS},
+                   "config": self.config.to_dict()}
         if in_flight := self.schedule.state_dict():
             trainer["in_flight"] = in_flight
         return {"trainer": trainer, "optimizer": learner, "buffer": experience["buffer"]}
 
     def load_state_dict(self, state: dict) -> None:
         trainer = state["trainer"]
-        self.learner.load_state_dict({**state["optimizer"], "optimizer_steps": trainer["optimizer_steps"],
-                                     "skipped_optimizer_steps": trainer["skipped_optimizer_steps"]})
+        # checkpoints written before skipped_zero_advantage_steps existed lack it
+        self.learner.load_state_dict({**state["optimizer"], **{name: trainer.get(name, 0) for name in COUNTERS}})
         self.experience.load_state_dict(trainer, state["buffer"])
         self.step = trainer["step"]
         questions = self.experience.question_pool.questions
