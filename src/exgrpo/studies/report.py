@@ -424,6 +424,27 @@ def _plots(arms: dict, names: list[str], main_arms: list[str], ablations: list[s
     return plots
 
 
+def _setting(study: Study, arms: dict[str, list[RunResult]]) -> str:
+    """The report's opening sentence: what a run is and how held-out accuracy is measured."""
+    c = next(iter(arms.values()))[0].config
+    rows = {r.seed: r.initial["num_questions"] for runs in arms.values() for r in runs}
+    held_out = ", ".join(f"seed {seed}: {n}" for seed, n in sorted(rows.items()))
+    return (f"Base config `{study.base.name}`, {c.train.steps} steps × {c.train.prompts_per_step} questions × "
+            f"K = {c.rollout.num_generations}; held-out accuracy = avg@{c.eval.samples} at temperature "
+            f"{c.eval.temperature} over each seed's held-out rows ({held_out}); ± is the std over seeds, "
+            "SE = std / √seeds.")
+
+
+def _verdict_rules(reg: Registration) -> str:
+    """How the paired differences are computed and judged, as registered."""
+    return (f"The registered primary metric: {_primary_text(reg)}. Equal rollouts: the reference arm's accuracy read "
+            "at the arm's cumulative sampled rollouts of those evaluations, by linear interpolation between the "
+            "reference's own evaluations. Verdict (registered): \"helps\" when the mean is ≥ "
+            f"{100 * reg.effect:+.1f} and the 95% interval is above 0, \"hurts\" mirrored, \"no difference\" when "
+            f"the interval lies within ±{100 * reg.equivalence:.1f}; the registration says which difference is "
+            "primary.")
+
+
 def write_study_report(study: Study, out: str | Path, main_arms: list[str], only: list[str] | None = None) -> Path:
     """Plots and tables for all arms (or the arms in `only`, the baseline and `main_arms` among them); `main_arms` (e.g.
     GRPO and ExGRPO) get the curves and the buffer plot is drawn for the last of them. Returns the markdown file
@@ -436,26 +457,15 @@ def write_study_report(study: Study, out: str | Path, main_arms: list[str], only
     plots = _plots(arms, names, main_arms, ablations, out)
     samples_link = _write_samples_page(arms, names, out)
     write_curves(arms, out / "curves.json")
-    c, reg = arms[names[0]][0].config, study.registered
-    rows = {r.seed: r.initial["num_questions"] for runs in arms.values() for r in runs}
-    held_out = ", ".join(f"seed {seed}: {n}" for seed, n in sorted(rows.items()))
+    reg = study.registered
     references = list(dict.fromkeys([study.baseline, main_arms[-1]]))  # deltas against GRPO and against ExGRPO
     comparisons = [(n, study.baseline) for n in names if n != study.baseline] + \
         [(main_arms[-1], n) for n in ablations if main_arms[-1] != study.baseline]  # what each ablation removes
     lines = [
-        f"# Study `{study.path.name}`", "",
-        f"Base config `{study.base.name}`, {c.train.steps} steps × {c.train.prompts_per_step} questions × "
-        f"K = {c.rollout.num_generations}; held-out accuracy = avg@{c.eval.samples} at temperature "
-        f"{c.eval.temperature} over each seed's held-out rows ({held_out}); ± is the std over seeds, "
-        "SE = std / √seeds.", "",
+        f"# Study `{study.path.name}`", "", _setting(study, arms), "",
         "## Final held-out accuracy", "", *final_table(arms, names, references), "",
-        "## Paired differences (accuracy points)", "",
-        f"The registered primary metric: {_primary_text(reg)}. Equal rollouts: the reference arm's accuracy read at "
-        "the arm's cumulative sampled rollouts of those evaluations, by linear interpolation between the reference's "
-        "own evaluations. Verdict (registered): \"helps\" when the mean is ≥ "
-        f"{100 * reg.effect:+.1f} and the 95% interval is above 0, \"hurts\" mirrored, \"no difference\" when "
-        f"the interval lies within ±{100 * reg.equivalence:.1f}; the registration says which difference is "
-        "primary.", "", *([power_statement(reg, len(arms[study.baseline])), ""] if reg.power_sd else []),
+        "## Paired differences (accuracy points)", "", _verdict_rules(reg), "",
+        *([power_statement(reg, len(arms[study.baseline])), ""] if reg.power_sd else []),
         *paired_table(arms, comparisons, reg), "",
         "## Buffer and replay (end of training, mean over seeds)", "", *buffer_table(arms, names), "",
         "## Coverage, zero-variance groups, entropy (mean over seeds)", "", *analyses_table(arms, names), "",
