@@ -10,6 +10,7 @@ from exgrpo.data import Question
 from exgrpo.errors import ExgrpoWarning
 from exgrpo.models import load_policy
 from exgrpo.runtime.checkpoint import latest_checkpoint
+from exgrpo.training.entropy_drift import EntropyDriftWatch
 from exgrpo.training.trainer import ExGRPOTrainer
 
 
@@ -63,3 +64,16 @@ def test_apply_steps_on_the_entropy_bonus_alone_and_says_so(tmp_path):
     assert len(drift) == 1 and drift[0].startswith("steps 1-3 had no group with a reward spread (every advantage "
                                                    "0): their optimizer steps followed the entropy bonus alone")
     assert f"{history[0]['entropy']:.2f} -> {history[2]['entropy']:.2f} nats" in drift[0]
+
+
+def test_the_drift_warning_is_for_a_runs_first_steps_only():
+    """Later runs of steps without a reward spread are damped by AdamW's moments: no warning for them."""
+    flat, spread = {"frac_reward_zero_std": 1.0, "entropy": 2.0}, {"frac_reward_zero_std": 0.5, "entropy": 2.0}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        after_a_spread, resumed = EntropyDriftWatch(config_from_dict({})), EntropyDriftWatch(config_from_dict({}))
+        for step, metrics in enumerate([spread, flat, flat, flat, flat], 1):
+            after_a_spread.observe(step, metrics)
+        for step in (4, 5, 6):
+            resumed.observe(step, flat)
+    assert caught == []

@@ -13,30 +13,33 @@ import warnings
 from exgrpo.config import ExGRPOConfig
 from exgrpo.errors import ExgrpoWarning
 
-DRIFT_STEPS = 3  # steps in a row without a reward spread before the warning
+DRIFT_STEPS = 3  # the first steps of a run that, all without a reward spread, are warned about
 
 
 class EntropyDriftWatch:
-    """Warns once when `DRIFT_STEPS` steps in a row had no group with a reward spread while the entropy bonus was
-    on and such updates applied (`train.zero_advantage_steps` apply)."""
+    """Warns when the first `DRIFT_STEPS` steps of a run all had no group with a reward spread, while the entropy
+    bonus was on and such updates applied (`train.zero_advantage_steps` apply). Later runs of such steps are left
+    alone: once AdamW's moments hold policy-gradient steps, a bonus-only gradient makes a small step (round five's
+    study: runs of 3 such steps mid-run, entropy steady)."""
 
     def __init__(self, config: ExGRPOConfig):
         self.active = config.objective.entropy_coef != 0 and config.train.zero_advantage_steps == "apply"
-        self._entropies: list[float] = []  # of the current run of steps without a reward spread
+        self._entropies: list[float] = []
 
     def observe(self, step: int, metrics: dict) -> None:
         """The metrics of training step `step` (1-based)."""
         if not self.active:
             return
-        if metrics["frac_reward_zero_std"] < 1.0:
-            self._entropies = []
+        if metrics["frac_reward_zero_std"] < 1.0 or step != len(self._entropies) + 1:  # a spread, or resumed later
+            self.active = False
             return
         self._entropies.append(metrics["entropy"])
-        if len(self._entropies) == DRIFT_STEPS:
+        if step == DRIFT_STEPS:
             self.active = False
             warnings.warn(ExgrpoWarning(
-                f"steps {step - DRIFT_STEPS + 1}-{step} had no group with a reward spread (every advantage 0): "
-                f"their optimizer steps followed the entropy bonus alone, which AdamW makes full-size (entropy "
-                f"{self._entropies[0]:.2f} -> {self._entropies[-1]:.2f} nats); a run with no success from its start "
-                "drifts towards uniform noise this way. train.zero_advantage_steps=skip leaves such steps' weights "
-                "as they are; rollout.zero_variance=backfill rolls out other questions instead"), stacklevel=2)
+                f"steps 1-{step} had no group with a reward spread (every advantage 0): their optimizer steps "
+                f"followed the entropy bonus alone, which AdamW makes full-size while it has seen nothing else "
+                f"(entropy {self._entropies[0]:.2f} -> {self._entropies[-1]:.2f} nats); a run with no success from "
+                "its start drifts towards uniform noise this way. train.zero_advantage_steps=skip leaves such steps' "
+                "weights as they are; rollout.zero_variance=backfill rolls out other questions instead"),
+                stacklevel=2)
