@@ -41,5 +41,5 @@ class EntropyDriftWatch:
                 f"followed the entropy bonus alone, which AdamW makes full-size while it has seen nothing else "
                 f"(entropy {self._entropies[0]:.2f} -> {self._entropies[-1]:.2f} nats); a run with no success from "
                 "its start drifts towards uniform noise this way. train.zero_advantage_steps=skip leaves such steps' "
-                "weights as they are; rollout.zero_variance=backfill rolls out other questions instead"),
+                "weights as they are; rollout.zero_variance=backfill rolls out more questions to find a spread"),
                 stacklevel=2)
