@@ -235,6 +235,10 @@ def test_the_mechanism_table_reads_what_was_paid():
         [{"completion": "5 + 9 = 14, so 14.", "replayed": False, "reward": 0.0}]  # not paid: not read
     table = mechanism_table({"a": [run]}, ["a"])
     assert table[2] == "| a | 2.0 | 1.50 | 50.0% | 3: 1 / 1 / 1 | 1: 1 / 0 / 0 |"
+    never = _result(2, [48] * 4, {4: 0.0})  # no correct rollout of its own in any step
+    for m in never.history:
+        m.update({"generation/zero_variance_fraction": 1.0, "experience/replayed": 0})
+    assert mechanism_table({"a": [run, never]}, ["a"])[2].startswith("| a | 2.0 (1 of 2 runs) | 0.75 | 75.0% |")
 
 
 def test_the_samples_page_shows_every_paid_sample_and_every_unpaid_one_stating_its_gold(tmp_path):

@@ -324,7 +324,7 @@ def take_off_line(arms: dict[str, list[RunResult]], names: list[str], registered
 
 def mechanism_table(arms: dict[str, list[RunResult]], names: list[str]) -> list[str]:
     """Why a verdict came out as it did, per arm (mean over seeds): the first step with a correct rollout of the
-    policy's own, replayed questions per step, zero-variance groups, and the logged samples that were paid (reward
+    policy's own (over the runs that had one, counted when some had none), replayed questions per step, zero-variance groups, and the logged samples that were paid (reward
     at the success threshold), fresh and replayed, read by `exgrpo.studies.working.classify`: valid working, lucky
     (right answer, a wrong step) or no working."""
     lines = ["| arm | first success step | replays / step | zero-variance groups | paid fresh samples: valid / "
@@ -343,7 +343,9 @@ def mechanism_table(arms: dict[str, list[RunResult]], names: list[str]) -> list[
             counts = Counter(classify(s["completion"]) for s in samples)
             return f"{len(samples)}: {counts['valid']} / {counts['lucky']} / {counts['no_working']}"
 
-        first_step = f"{np.nanmean(first):.1f}" if not np.isnan(first).all() else "—"
+        succeeded = int(np.sum(~np.isnan(first)))
+        first_step = "—" if not succeeded else f"{np.nanmean(first):.1f}" + \
+            (f" ({succeeded} of {len(runs)} runs)" if succeeded < len(runs) else "")
         lines.append(f"| {runs[0].arm.label} | {first_step} | "
                      f"{replays:.2f} | " + (f"{100 * np.mean(zero):.1f}%" if zero else "—")
                      + f" | {classes(paid[False])} | {classes(paid[True])} |")
