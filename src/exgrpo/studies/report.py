@@ -324,9 +324,10 @@ def take_off_line(arms: dict[str, list[RunResult]], names: list[str], registered
 
 def mechanism_table(arms: dict[str, list[RunResult]], names: list[str]) -> list[str]:
     """Why a verdict came out as it did, per arm (mean over seeds): the first step with a correct rollout of the
-    policy's own (over the runs that had one, counted when some had none), replayed questions per step, zero-variance groups, and the logged samples that were paid (reward
-    at the success threshold), fresh and replayed, read by `exgrpo.studies.working.classify`: valid working, lucky
-    (right answer, a wrong step) or no working."""
+    policy's own (over the runs that had one, counted when some had none), replayed questions per step,
+    zero-variance groups, and the logged samples that were paid (reward at the success threshold), fresh and
+    replayed, read by `exgrpo.studies.working.classify`: valid working, lucky (right answer, a wrong step) or no
+    working."""
     lines = ["| arm | first success step | replays / step | zero-variance groups | paid fresh samples: valid / "
              "lucky / no working | paid replayed samples: valid / lucky / no working |",
              "|---|---:|---:|---:|---|---|"]
