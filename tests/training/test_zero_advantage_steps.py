@@ -1,5 +1,5 @@
 """train.zero_advantage_steps: a mini-batch whose advantages are all 0 moves the weights by the entropy bonus alone
-(apply, released, with a warning when a run keeps doing it) or not at all (skip); with a real tiny model."""
+(apply, released, with a warning when a run starts so) or not at all (skip); with a real tiny model."""
 
 import warnings
 
