@@ -1,3 +1,4 @@
+import copy
 import subprocess
 import sys
 from pathlib import Path
@@ -82,6 +83,19 @@ def test_a_renamed_field_is_read_under_its_new_name_and_said_once(tmp_path, caps
     assert said == [f"exgrpo: {old} is now called {new}: read as that"] * 4
     with pytest.raises(ConfigError, match=f"{old} and {new} are both set"):
         config_from_dict({section: {old_key: value, new_key: other}})
+
+
+def test_a_config_stored_before_a_field_existed_resumes_as_it_ran():
+    """A missing field reads as its default, or as BEFORE_THE_FIELD says where the default changed what it did."""
+    from exgrpo.config import config_changes
+
+    config = load_config("tiny", ["experience.retirement=immediate"]).to_dict()
+    stored = copy.deepcopy(config)
+    del stored["train"]["zero_advantage_steps"], stored["experience"]["retirement"]
+    assert config_changes(stored, config) == ([], [])
+    skip = copy.deepcopy(config)
+    skip["train"]["zero_advantage_steps"] = "skip"
+    assert config_changes(stored, skip) == (["train.zero_advantage_steps: 'apply' -> 'skip'"], [])
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -2,8 +2,8 @@
 
 from exgrpo.config.load import config_from_dict, load_config, parse_overrides, read_yaml
 from exgrpo.config.presets import config_file, preset_names
-from exgrpo.config.rules import (RESUMABLE_CHANGES, compute_precision, config_changes, engine_correction_cap,
-                                 engine_precision, validate)
+from exgrpo.config.changes import RESUMABLE_CHANGES, config_changes
+from exgrpo.config.rules import compute_precision, engine_correction_cap, engine_precision, validate
 from exgrpo.config.schema import (DataConfig, EvalConfig, ExGRPOConfig, ExperienceConfig, GuidanceConfig,
                                   LoggingConfig, LoraConfig, ModelConfig, ObjectiveConfig, RewardConfig,
                                   RolloutConfig, TrainConfig)

@@ -1,13 +1,11 @@
 """What a config must satisfy (every value and combination, checked before anything loads), the settings derived
-from it (precisions, the engine correction) and which changes a resume may make."""
+from it (precisions, the engine correction); which changes a resume may make is `exgrpo.config.changes`."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 
-from exgrpo.config.renamed import rename_fields
 from exgrpo.errors import ConfigError
 
 # Every `cfg` below is an ExGRPOConfig; it is not imported here because the schema validates itself with these rules.
@@ -319,45 +317,3 @@ def engine_precision(cfg) -> str:
     """The dtype rollouts are sampled in (the hf engine samples with the trainer's own forward)."""
     r = cfg.rollout
     return r.engine_dtype if r.engine != "hf" and r.engine_dtype != "auto" else compute_precision(cfg)
-
-
-# Changing these on resume leaves the algorithm as it was: length, bookkeeping, memory, speed and sharding.
-RESUMABLE_CHANGES = ("train.steps", "train.save_every", "train.save_total_limit", "train.threads",
-                     "train.check_replicas", "train.max_skipped_optimizer_steps", "train.micro_batch_size",
-                     "train.max_tokens_per_micro_batch", "train.logprob_chunk_tokens", "train.activation_checkpointing",
-                     "train.sharding",
-                     "rollout.generation_batch_size", "rollout.gpu_memory_utilization", "rollout.kv_cache_gb",
-                     "rollout.push_timeout", "rollout.generation_timeout", "rollout.parity_every",
-                     "rollout.parity_threshold",
-                     "experience.selection_batch_size", "reward.workers",
-                     "reward.timeout", "eval.", "logging.")
-
-
-# What a config written before a field existed meant by its absence, where that differs from the field's default.
-BEFORE_THE_FIELD = {"experience.retirement": "immediate"}
-
-
-def config_changes(old: dict, new: dict) -> tuple[list[str], list[str]]:
-    """The fields where two resolved configs (`to_dict()`) differ, as "field: old -> new", split into (changes
-    that alter the algorithm, harmless ones listed in RESUMABLE_CHANGES). A field missing from `old` is read as
-    BEFORE_THE_FIELD gives it."""
-    def flat(tree: dict, prefix: str = "") -> dict:
-        out = {}
-        for key, value in tree.items():
-            if isinstance(value, dict) and not (prefix + key == "model.lora"):
-                out.update(flat(value, f"{prefix}{key}."))
-            else:
-                out[prefix + key] = value
-        return out
-
-    a, b = {**BEFORE_THE_FIELD, **flat(rename_fields(copy.deepcopy(old)))}, flat(new)
-    bf16 = "bf16" in (a.get("train.dtype"), b.get("train.dtype"))
-    algorithmic, harmless = [], []
-    for key in sorted(set(a) | set(b)):
-        if a.get(key) != b.get(key):
-            line = f"{key}: {a.get(key)!r} -> {b.get(key)!r}"
-            is_harmless = any(key == h or (h.endswith(".") and key.startswith(h)) for h in RESUMABLE_CHANGES)
-            if key == "train.sharding" and bf16:  # FSDP casts parameters itself, DDP autocasts: other numbers
-                is_harmless, line = False, line + " (in bf16, FSDP and DDP compute differently)"
-            (harmless if is_harmless else algorithmic).append(line)
-    return algorithmic, harmless
