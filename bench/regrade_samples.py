@@ -16,6 +16,7 @@ import json
 import sys
 
 from exgrpo.rewards.graders import grade_math
+from exgrpo.rewards.scorer import truncated_score
 from exgrpo.runtime.tracking import read_metrics
 from exgrpo.studies.report import question_texts
 from exgrpo.studies.study import load_study
@@ -28,11 +29,12 @@ def regrade(study_file: str) -> None:
     questions = question_texts([config.data for config, _ in runs])
     for config, run in runs:
         samples = read_metrics(run / "samples.jsonl")
+        cut_score = truncated_score(config.reward)
         changed = []
         for s in samples:
             reward = grade_math(s["completion"], s["answer"], question=questions[s["question_id"]])
-            if s.get("truncated") and config.reward.truncated == "fail":
-                reward = config.reward.min_value
+            if s.get("truncated") and cut_score is not None:
+                reward = cut_score
             if reward != s["reward"]:
                 changed.append({"step": s["step"], "question_id": s["question_id"], "answer": s["answer"],
                                 "logged": s["reward"], "now": reward, "truncated": s.get("truncated"),

@@ -12,6 +12,12 @@ from exgrpo.rewards.pool import GradingPool
 from exgrpo.runtime.distributed import Distributed
 
 
+def truncated_score(reward) -> float | None:
+    """What a completion cut at rollout.max_completion_length scores under the `reward` config section:
+    reward.min_value under `reward.truncated=fail`, None (its grade) under `grade`."""
+    return reward.min_value if reward.truncated == "fail" else None
+
+
 def score_groups(groups: Sequence[Group], tokenizer, reward_funcs: Sequence[Callable],
                  reward_weights: Sequence[float], truncated_reward: float | None = None) -> GroupRewards:
     """Grade every member of `groups` (one process, no health checks): (G, K) weighted totals and per function.
@@ -50,7 +56,7 @@ class GroupScorer:
     def from_config(cls, reward_funcs: Sequence[Callable], tokenizer, reward, **kwargs) -> "GroupScorer":
         """With the `reward` config section's health checks and its handling of truncated completions."""
         return cls(reward_funcs, tokenizer, RewardHealth.from_config(reward),
-                   truncated_reward=reward.min_value if reward.truncated == "fail" else None, **kwargs)
+                   truncated_reward=truncated_score(reward), **kwargs)
 
     def __call__(self, groups: list[Group], step: int) -> GroupRewards:
         """(G, K) rewards of `groups` at training step `step` (1-based, for health messages)."""
