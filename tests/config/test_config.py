@@ -7,7 +7,7 @@ import pytest
 from conftest import run_cli
 
 from exgrpo import __version__
-from exgrpo.config import ConfigError, load_config
+from exgrpo.config import ConfigError, config_from_dict, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,7 +68,7 @@ def test_overrides_in_both_spellings():
     ("experience.policy", "experience.replay_policy", "rlep", "prioritized"),
     ("train.max_skipped_updates", "train.max_skipped_optimizer_steps", 3, 7)])
 def test_a_renamed_field_is_read_under_its_new_name_and_said_once(tmp_path, capsys, old, new, value, other):
-    from exgrpo.config import config_changes, config_from_dict
+    from exgrpo.config import config_changes
 
     (section, old_key), new_key = old.split("."), new.split(".")[1]
     config = load_config("tiny", [f"{old}={value}"])  # an override
@@ -96,6 +96,18 @@ def test_a_config_stored_before_a_field_existed_resumes_as_it_ran():
     skip = copy.deepcopy(config)
     skip["train"]["zero_advantage_steps"] = "skip"
     assert config_changes(stored, skip) == (["train.zero_advantage_steps: 'apply' -> 'skip'"], [])
+
+
+@pytest.mark.parametrize("section,key,value,expected", [
+    ("train", "steps", "1e3", 1000),  # a CLI's or a sweep's scientific notation
+    ("train", "steps", 40.0, 40),
+    ("train", "learning_rate", "2e-4", 2e-4),
+    ("reward", "think_gate", "Yes", True),
+    ("reward", "think_gate", "0", False),
+])
+def test_scalar_values_are_converted_to_their_field_type(section, key, value, expected):
+    config = config_from_dict({section: {key: value}})
+    assert getattr(getattr(config, section), key) == expected
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -27,6 +27,40 @@ def _resolve(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+_BOOL_WORDS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+
+
+def _as_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in _BOOL_WORDS:
+        return _BOOL_WORDS[value.lower()]
+    raise ValueError
+
+
+def _as_int(value: Any) -> int:
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError
+    return int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)  # "1e3" from a CLI
+
+
+def _as_float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError
+    return float(value)
+
+
+def _as_str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError
+    return value
+
+
+# a scalar field's type: what the error says was expected, and the conversion (which raises TypeError or ValueError)
+_SCALARS = {bool: ("true or false", _as_bool), int: ("an integer", _as_int), float: ("a number", _as_float),
+            str: ("a string", _as_str)}
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     inner, optional = _resolve(tp)
     if value is None:
@@ -42,32 +76,12 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if value not in allowed:
             raise ConfigError(f"{where}: {value!r} is not allowed; expected one of {list(allowed)}")
         return value
-    if inner is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-            return value.lower() in ("true", "yes", "1")
-        raise ConfigError(f"{where}: expected true or false, got {value!r}")
-    if inner is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if inner in _SCALARS:
+        expected, convert = _SCALARS[inner]
         try:
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            return int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
+            return convert(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
-    if inner is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
-    if inner is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return value
+            raise ConfigError(f"{where}: expected {expected}, got {value!r}") from None
     raise ConfigError(f"{where}: unsupported type {tp}")
 
 
