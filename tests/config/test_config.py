@@ -7,7 +7,7 @@ import pytest
 from conftest import run_cli
 
 from exgrpo import __version__
-from exgrpo.config import ConfigError, config_from_dict, load_config
+from exgrpo.config import ConfigError, config_changes, config_from_dict, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,8 +68,6 @@ def test_overrides_in_both_spellings():
     ("experience.policy", "experience.replay_policy", "rlep", "prioritized"),
     ("train.max_skipped_updates", "train.max_skipped_optimizer_steps", 3, 7)])
 def test_a_renamed_field_is_read_under_its_new_name_and_said_once(tmp_path, capsys, old, new, value, other):
-    from exgrpo.config import config_changes
-
     (section, old_key), new_key = old.split("."), new.split(".")[1]
     config = load_config("tiny", [f"{old}={value}"])  # an override
     assert getattr(getattr(config, section), new_key) == value
@@ -87,8 +85,6 @@ def test_a_renamed_field_is_read_under_its_new_name_and_said_once(tmp_path, caps
 
 def test_a_config_stored_before_a_field_existed_resumes_as_it_ran():
     """A missing field reads as its default, or as BEFORE_THE_FIELD says where the default changed what it did."""
-    from exgrpo.config import config_changes
-
     config = load_config("tiny", ["experience.retirement=immediate"]).to_dict()
     stored = copy.deepcopy(config)
     del stored["train"]["zero_advantage_steps"], stored["experience"]["retirement"]

@@ -195,10 +195,8 @@ def mixed_policy_loss(
     loss = aggregate(losses, mask, settings, total_tokens, total_sequences)
     whole = total_tokens is None or settings.entropy_per_micro_batch
     n_tokens = mask.sum() if whole else torch.tensor(float(total_tokens))
-    entropy_mean = None
     if entropy is not None and settings.entropy_coef:
-        entropy_mean = (entropy * mask).sum() / n_tokens.clamp(min=1)
-        loss = loss - settings.entropy_coef * entropy_mean
+        loss = loss - settings.entropy_coef * ((entropy * mask).sum() / n_tokens.clamp(min=1))
     replayed = replay_mask if demonstration_mask is None else replay_mask & ~demonstration_mask.bool()
     return loss, _stats(parts, advantages, mask, fresh_mask, replayed, settings, entropy)
 
