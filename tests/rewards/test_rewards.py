@@ -215,6 +215,32 @@ def test_grade_math_does_not_read_the_last_number_of_a_sentence_that_states_anot
     assert grade_math(completion, "5", question=SEVEN) == expected
 
 
+# (completion, gold, label) on "48 + 23": an answer stated in so many words is the answer, with its working after it
+# in any form; math-verify reads a later number, or the working, instead (found by a hostile read of the demo)
+STATED = "Calculate 48 + 23. Answer with only the final number."
+STATED_CASES = [
+    ("The answer is 71, which is 48 + 23.", "71", 1.0),
+    ("The answer is 71 = 48 + 23", "71", 1.0),
+    ("The answer is 71 (from 48 + 23).", "71", 1.0),
+    ("Answer: 71 (48 + 23)", "71", 1.0),
+    ("71 is the answer since 40 + 20 = 60 and 8 + 3 = 11", "71", 1.0),
+    ("So the answer is **71**, as 40 + 30 = 70 and 8 + 3 = 11.", "71", 1.0),
+    ("48 + 23 = 71 is the final answer", "71", 1.0),
+    ("The answer to 48 + 23 is 71 because 8 + 3 = 11.", "71", 1.0),
+    ("The answer is 1,071 since ...", "1071", 1.0),
+    ("The answer is 70. No: 8 + 3 = 11, so the answer is 71.", "71", 1.0),  # the last statement
+    ("The answer is 70, which is 48 + 23.", "71", 0.0),  # wrong, whatever follows
+    ("The answer is 71 = 48 + 23", "48", 0.0),  # the working's numbers are not the answer
+    ("The answer is 48 + 23", "71", 0.0),  # the question restated, not computed
+    ("The answer is 71 É 5, which is exactly 5.", "5", 0.0),  # not a statement: math-verify's reading stands
+]
+
+
+@pytest.mark.parametrize(("completion", "gold", "expected"), STATED_CASES)
+def test_grade_math_pays_an_answer_stated_in_words_whatever_working_follows(completion, gold, expected):
+    assert grade_math(completion, gold, question=STATED) == expected
+
+
 def test_without_the_question_the_released_reward_pays_what_math_verify_reads():
     assert grade_math(EQUATION_CASES[1][0], "9") == 1.0  # the released reward, reproduced as it is
     assert grade_math(LIST_CASES[0][0], "3") == 1.0

@@ -65,12 +65,16 @@ def _final_answer(completion: str, answer_parsed: list, question: str, timeout: 
 def _plain_text_answer(completion: str, answer_parsed: list, question: str, timeout: int | None) -> list:
     """math-verify's reading of a plain-text answer, where it reads a number the completion does not give as its
     answer, corrected:
+    * an answer the completion states in so many words ("The answer is 71, which is 48 + 23."; "71 is the answer
+      since ..."): that number (`stated_answer`), whatever working follows it;
     * a list item's number ("gives 6 as final answer\\n3. This is ..."): read again without the list's numbers;
     * the start of an equation ("the final answer is 15 - 6 = 7"): read as the equation's result;
     * a number its sentence goes on computing with ("the final answer follows: multiplying 2 by 3 and adding 5"),
       or one whose sentence equates the question's arithmetic to another number ("So 7 - 2 + 0 = 15 and 27 - 9 =
       5"): no answer.
     """
+    if (stated := stated_answer(completion)) is not None:
+        return parse("$" + stated + "$", parsing_timeout=timeout)
     if _only_list_markers(completion, answer_parsed):
         completion = _LIST_MARKER.sub(r"\1", completion)
         answer_parsed = parse(completion, parsing_timeout=timeout)
@@ -81,6 +85,39 @@ def _plain_text_answer(completion: str, answer_parsed: list, question: str, time
         if re.search(r"\d", after) or _states_otherwise(before + answer_parsed[1] + after, answer_parsed, question):
             return []
     return answer_parsed
+
+
+#: a number as a completion writes it: "-3", "2.5", "1,000"
+_STATED_NUMBER = r"-?\d{1,3}(?:,\d{3})+(?![\d.])|-?\d+(?:\.\d+)?"
+#: arithmetic on one line: numbers joined by operators and "=" ("15 - 6 = 9"; "71 = 48 + 23")
+_CHAIN = rf"(?:{_STATED_NUMBER})(?:[ \t]*[-+*/×÷=][ \t]*\(?(?:{_STATED_NUMBER})\)?)*"
+#: what may wrap an answer: markdown bold, LaTeX math delimiters
+_WRAP_OPEN, _WRAP_CLOSE = r"(?:\*\*|\$|\\\(|\\\[)?", r"(?:\*\*|\$|\\\)|\\\])?"
+#: what may follow a stated answer: the end, punctuation, a bracket, or a word that gives the working
+_STATEMENT_END = r"(?=\s*(?:$|[.,;:!?()\n]|(?:which|since|because|as|from|by|given|so|after)\b))"
+#: "the answer is 71", "Answer: 71", "the answer to 48 + 23 is 71", "the final answer equals 71"
+_ANSWER_IS = re.compile(rf"\banswer(?:[ \t]+to[ \t]+[^.!?\n]{{1,40}}?)?[ \t]*(?:is|equals|=|:)[ \t]*:?\s*"
+                        rf"{_WRAP_OPEN}[ \t]*(?P<chain>{_CHAIN}){_WRAP_CLOSE}{_STATEMENT_END}", re.IGNORECASE)
+#: "71 is the answer", "48 + 23 = 71 is the final answer"
+_IS_THE_ANSWER = re.compile(rf"(?<![\d.,]){_WRAP_OPEN}(?P<chain>{_CHAIN}){_WRAP_CLOSE}[ \t]+is[ \t]+(?:the|our|my)"
+                            rf"[ \t]+(?:final[ \t]+|correct[ \t]+)?answer\b", re.IGNORECASE)
+
+
+def stated_answer(completion: str) -> str | None:
+    """The number a completion states in so many words as its answer ("The answer is 71, which is 48 + 23." ->
+    "71"; "71 is the answer since 40 + 20 = 60 ..." -> "71"; "the final answer is 15 - 6 = 9" -> "9"), from its
+    last such statement; None where it states none. Of arithmetic stated as the answer, the last side that is a
+    number is the answer ("71 = 48 + 23" -> "71"); arithmetic with no such side ("the answer is 48 + 23") states
+    none. Working may follow the answer after punctuation or a word such as "which", "since", "as"; anything else
+    after the number ("the answer is 2 É 5") makes it no statement."""
+    statements = sorted([*_ANSWER_IS.finditer(completion), *_IS_THE_ANSWER.finditer(completion)],
+                        key=lambda m: m.start())
+    for statement in reversed(statements):
+        sides = [side.strip() for side in statement.group("chain").split("=")]
+        numbers = [side for side in sides if re.fullmatch(_STATED_NUMBER, side)]
+        if numbers:
+            return numbers[-1].replace(",", "")
+    return None
 
 
 def _numeric(gold_parsed: list) -> bool:
