@@ -53,6 +53,7 @@ from exgrpo.rollout.weights import copied_weights
 from exgrpo.runtime.atomic import write_text_atomic
 from exgrpo.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from exgrpo.runtime.distributed import Distributed, check_replicas, init_distributed, require_on_every_rank, shard
+from exgrpo.runtime.provenance import end_session, start_session
 from exgrpo.runtime.rundir import claim_run_directory, lock_run_directory, unlock_run_directory
 from exgrpo.runtime.sharding import refuse_accelerate_fsdp
 from exgrpo.runtime.signals import StopRequest
@@ -185,8 +186,10 @@ class ExGRPOTrainer:
         """Run until train.steps (or until every question is retired), checkpointing into logging.output_dir.
 
         The run directory is locked while training; a fresh (not resumed) run refuses a directory holding another
-        run's files unless logging.overwrite. SIGINT/SIGTERM finish the current step, write a checkpoint and
-        return. Returns per-step metrics. Under data parallelism only rank 0 logs and writes checkpoints.
+        run's files unless logging.overwrite. Each call appends a session (its start and end, the code running it)
+        to the directory's provenance.json (`exgrpo.runtime.provenance`). SIGINT/SIGTERM finish the current step,
+        write a checkpoint and return. Returns per-step metrics. Under data parallelism only rank 0 logs and writes
+        checkpoints.
         """
         c, directory = self.config, self.config.logging.output_dir
         with Shutdown() as cleanup:
@@ -201,10 +204,13 @@ class ExGRPOTrainer:
             self.config = c = replace(c, logging=replace(c.logging, overwrite=False))
             if self.dist.is_main:
                 write_text_atomic(Path(directory) / "config.json", json.dumps(c.to_dict(), indent=2))
+                start_session(directory, self.step)
                 if tracker is None:
                     tracker = Tracker.from_config(c, start_step=self.step)
                     cleanup.callback(tracker.close)
             self._train_loop(tracker, on_step)
+            if self.dist.is_main:
+                end_session(directory, self.step, self.stopped_by)
         return self.history
 
     def _train_loop(self, tracker: Tracker | None, on_step: Callable[[int, dict], None] | None) -> None:

@@ -1,0 +1,52 @@
+"""Run provenance: the git state of the code's own checkout, found with real git, and the sessions of a run."""
+
+import subprocess
+from pathlib import Path
+
+from exgrpo.runtime.provenance import end_session, git_state, read_sessions, start_session
+from exgrpo.runtime.rundir import clear_run, holds_a_run
+
+
+def _git(checkout: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(checkout), "-c", "user.name=test", "-c", "user.email=test@example.org",
+                    "-c", "commit.gpgsign=false", *args], check=True, capture_output=True)
+
+
+def test_the_checkout_tracking_the_source_gives_its_commit_and_its_changes(tmp_path):
+    package = tmp_path / "repo" / "pkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("x = 1\n")
+    _git(tmp_path / "repo", "init", "-q")
+    _git(tmp_path / "repo", "add", ".")
+    _git(tmp_path / "repo", "commit", "-qm", "one")
+    clean = git_state(package)
+    assert clean["checkout"] == str((tmp_path / "repo").resolve()) and len(clean["commit"]) == 40
+    assert (clean["dirty"], clean["changes"]) == (False, [])
+    (package / "__init__.py").write_text("x = 2\n")
+    (package / "new.py").write_text("")
+    dirty = git_state(package)
+    assert (dirty["commit"], dirty["dirty"], dirty["changes"]) == (clean["commit"], True,
+                                                                    [" M pkg/__init__.py", "?? pkg/new.py"])
+
+
+def test_a_source_no_checkout_tracks_is_said_in_words(tmp_path):
+    """An installed copy inside a checkout that does not track it (a venv's site-packages) is not that checkout's."""
+    _git(tmp_path, "init", "-q")
+    installed = tmp_path / ".venv" / "site-packages" / "pkg"
+    installed.mkdir(parents=True)
+    (installed / "__init__.py").write_text("")
+    state = git_state(installed)
+    assert isinstance(state, str) and state.startswith(f"no git checkout found: none tracks {installed} (")
+
+
+def test_each_session_is_appended_and_a_fresh_start_clears_them(tmp_path):
+    start_session(tmp_path, 0)
+    end_session(tmp_path, 4, "SIGTERM")
+    start_session(tmp_path, 4)  # a resume; then killed: no end
+    first, second = read_sessions(tmp_path)
+    assert (first["from_step"], first["to_step"], first["stopped_by"]) == (0, 4, "SIGTERM") and first["ended"]
+    assert (second["from_step"], second["ended"], second["to_step"]) == (4, None, None)
+    assert second["code"] == first["code"] and second["started"] >= first["ended"]
+    assert holds_a_run(tmp_path) == ["provenance.json"]  # the run's file: --overwrite deletes it with the rest
+    clear_run(tmp_path)
+    assert read_sessions(tmp_path) == []
