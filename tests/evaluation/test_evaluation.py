@@ -276,6 +276,9 @@ def test_evaluate_accuracy_grades_with_the_reward_functions(scripted_engine):
     assert [c[0] for c in engine.calls] == [12]  # one engine call; the same seeds as evaluate_questions
     assert engine.calls[0][2] == [derive_seed(5, i, s) for i in range(3) for s in range(4)]
     assert str(accuracy) == "50.0% ± 0.0 (n=3×4)"
+    # the first sample of each question (an even one: right), graded, for reading by hand
+    assert [(s["question_id"], s["completion"], s["reward"]) for s in accuracy.samples] == \
+        [(f"h/{i}", f"\\boxed{{{i}}}", 1.0) for i in range(3)]
 
 
 def right_but_cut_on_even_samples(prompt_ids, n):
@@ -297,6 +300,7 @@ def test_reward_truncated_fail_scores_a_cut_completion_as_wrong_in_training_and_
     expected = [1.0, 1.0, 1.0, 1.0] if truncated == "grade" else [0.0, 1.0, 0.0, 1.0]
     assert scorer(groups, step=1).total.tolist() == [expected] * 3
     assert accuracy.mean == np.mean(expected)
+    assert [(s["reward"], s["truncated"]) for s in accuracy.samples] == [(expected[0], True)] * 3  # sample 0: cut
 
 
 # --- the command line --------------------------------------------------------------------------------------------

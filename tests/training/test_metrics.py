@@ -54,6 +54,9 @@ def test_every_key_a_mixed_phase_run_logs_is_defined(tiny_policy, questions, tmp
     assert not [k for k in keys if definition(k) is None]
     samples = read_metrics(tmp_path / "run" / "samples.jsonl")
     assert {s["step"] for s in samples} == {2, 4} and all(isinstance(s["truncated"], bool) for s in samples)
+    held_out = read_metrics(tmp_path / "run" / "eval_samples.jsonl")  # each evaluation's graded completions
+    assert [(s["step"], s["question_id"]) for s in held_out] == [(2, "h0"), (2, "h1"), (4, "h0"), (4, "h1")]
+    assert all(s["reward"] == float(s["completion"][:1].islower()) for s in held_out)
 
 
 def test_the_progress_line_fits_80_columns_with_every_figure(tmp_path):

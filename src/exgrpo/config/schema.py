@@ -349,8 +349,8 @@ class EvalConfig:
 @dataclass
 class LoggingConfig:
     output_dir: str = "runs/exgrpo"
-    """The run directory: config.json, provenance.json, metrics.jsonl, samples.jsonl, tensorboard/
-    and checkpoints/."""
+    """The run directory: config.json, provenance.json, metrics.jsonl, samples.jsonl, eval_samples.jsonl,
+    tensorboard/ and checkpoints/."""
     overwrite: bool = False
     """Start a fresh run even if output_dir holds another run's files (they are deleted); without it that is an
     error (continue a run with `exgrpo train --resume`)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from exgrpo.data import PromptEncoder, Question
@@ -19,6 +19,7 @@ class Accuracy:
     num_questions: int
     samples_per_question: int
     per_question: list[float]
+    samples: list[dict] = field(default_factory=list)  # a few graded completions (`graded_samples`)
 
     def __str__(self) -> str:
         return f"{100 * self.mean:.1f}% ± {100 * self.stderr:.1f} (n={self.num_questions}×{self.samples_per_question})"
@@ -47,4 +48,14 @@ def evaluate_accuracy(engine: RolloutEngine, tokenizer, questions: Sequence[Ques
     per_question = correct.mean(axis=1)
     n = len(questions)
     stderr = float(per_question.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
-    return Accuracy(float(per_question.mean()), stderr, n, samples, per_question.tolist())
+    logged = graded_samples(rows, completions, total, out.truncated, first_of=samples)
+    return Accuracy(float(per_question.mean()), stderr, n, samples, per_question.tolist(), logged)
+
+
+def graded_samples(rows: Sequence[Question], completions: list[str], total, truncated: Sequence[bool], first_of: int,
+                   limit: int = 4) -> list[dict]:
+    """The first sample of each of the first `limit` questions (`first_of` samples per question, in order) with its
+    grade (total reward) and whether it was cut at the length cap: what an evaluation logs for reading by hand."""
+    return [{"question_id": rows[i].id, "answer": rows[i].answer, "completion": completions[i],
+             "reward": float(total[i]), "truncated": bool(truncated[i])}
+            for i in range(0, min(len(rows), limit * first_of), first_of)]

@@ -21,7 +21,8 @@ from pathlib import Path
 from exgrpo.errors import RunDirectoryError, os_cause
 
 #: What a run writes into its directory (besides the lock).
-RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "provenance.json", "checkpoints", "tensorboard")
+RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "eval_samples.jsonl", "provenance.json", "checkpoints",
+             "tensorboard")
 _LOCK = ".lock"
 #: Name prefixes of checkpoint scratch directories: one being written, one being deleted.
 CHECKPOINT_SCRATCH = (".tmp-", ".deleting-")

@@ -29,6 +29,7 @@ class Tracker:
         self.console = Console(stderr=True)
         self._jsonl = (self.dir / "metrics.jsonl").open("a")
         self._samples = (self.dir / "samples.jsonl").open("a")
+        self._eval_samples = (self.dir / "eval_samples.jsonl").open("a")
         self._write_failed = False
         self._tb = None
         if tensorboard:
@@ -68,8 +69,11 @@ class Tracker:
                       f"{metrics.get('experience/questions', 0):.0f}q/{metrics.get('experience/trajectories', 0):.0f}t")
             self._progress.update(self._task, completed=step, status=status)
 
-    def log_samples(self, step: int, samples: list[dict]) -> None:
-        self._append(self._samples, "".join(json.dumps({"step": step, **sample}) + "\n" for sample in samples))
+    def log_samples(self, step: int, samples: list[dict], held_out: bool = False) -> None:
+        """Example completions of a training step (samples.jsonl), or of the held-out evaluation after it
+        (`held_out`: eval_samples.jsonl)."""
+        file = self._eval_samples if held_out else self._samples
+        self._append(file, "".join(json.dumps({"step": step, **sample}) + "\n" for sample in samples))
 
     def _append(self, file, text: str) -> None:
         try:
@@ -85,7 +89,7 @@ class Tracker:
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
-        for file in (self._jsonl, self._samples):
+        for file in (self._jsonl, self._samples, self._eval_samples):
             try:
                 file.close()
             except OSError:  # what a failed write left in the buffer, already reported by _append
@@ -103,7 +107,7 @@ RENAMED_METRICS = {"batch/solved": "batch/pass_at_1", "coverage/solved": "covera
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    """The lines of a `metrics.jsonl` (or `samples.jsonl`), metrics under their current names."""
+    """The lines of a `metrics.jsonl` (or `samples.jsonl`, `eval_samples.jsonl`), metrics under their current names."""
     with open(path) as f:
         lines = [json.loads(line) for line in f if line.strip()]
     return [{RENAMED_METRICS.get(key, key): value for key, value in line.items()} for line in lines]
@@ -114,7 +118,7 @@ def truncate_metrics(run_dir: str | Path, step: int) -> None:
 
     A last line cut short by a kill is dropped too; an unreadable line elsewhere is an error naming it.
     """
-    for name in ("metrics.jsonl", "samples.jsonl"):
+    for name in ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl"):
         path = Path(run_dir) / name
         if not path.is_file():
             continue

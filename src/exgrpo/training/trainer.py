@@ -240,6 +240,7 @@ class ExGRPOTrainer:
             metrics.update({"eval/accuracy": accuracy.mean, "eval/stderr": accuracy.stderr})
             if tracker:
                 tracker.print(f"step {self.step}: held-out {accuracy}")
+                tracker.log_samples(self.step, accuracy.samples, held_out=True)
         self.history.append(metrics)
         if tracker:
             tracker.log(self.step, metrics)
