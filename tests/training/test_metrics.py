@@ -57,6 +57,10 @@ def test_every_key_a_mixed_phase_run_logs_is_defined(tiny_policy, questions, tmp
     held_out = read_metrics(tmp_path / "run" / "eval_samples.jsonl")  # each evaluation's graded completions
     assert [(s["step"], s["question_id"]) for s in held_out] == [(2, "h0"), (2, "h1"), (4, "h0"), (4, "h1")]
     assert all(s["reward"] == float(s["completion"][:1].islower()) for s in held_out)
+    # with every advantage 0 an optimizer step is counted; with a spread in every group none is
+    flat = [m for m in history if m["frac_reward_zero_std"] == 1.0]
+    spread = [m for m in history if m["frac_reward_zero_std"] == 0.0]
+    assert all(m["zero_advantage_steps"] == 2.0 for m in flat) and all(m["zero_advantage_steps"] == 0 for m in spread)
 
 
 def test_the_progress_line_fits_80_columns_with_every_figure(tmp_path):

@@ -47,6 +47,7 @@ def test_skip_leaves_the_weights_and_adams_moments_of_a_run_without_a_reward_spr
                for name, m in state.items() if name.startswith("exp_avg")]  # them, at zero)
     assert all(not m.any() for m in moments) and trainer.learner.weights_version == 0
     assert [m["skipped_zero_advantage_steps"] for m in history] == [2.0, 4.0, 6.0]  # 2 mini-batches a step
+    assert [m["zero_advantage_steps"] for m in history] == [2.0, 2.0, 2.0]  # per step, skipped or applied
     assert [m["skipped_optimizer_steps"] for m in history] == [0.0] * 3
     assert not [w for w in warned if "reward spread" in w]
     resumed = _trainer(tmp_path, "skip", steps=4)  # the counter is checkpointed: the version goes on from 0
@@ -60,6 +61,7 @@ def test_apply_steps_on_the_entropy_bonus_alone_and_says_so(tmp_path):
     history, warned = _train(trainer)
     assert not all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
     assert trainer.learner.weights_version == 6 and history[-1]["skipped_zero_advantage_steps"] == 0.0
+    assert [m["zero_advantage_steps"] for m in history] == [2.0, 2.0, 2.0]  # counted although applied
     drift = [w for w in warned if "reward spread" in w]
     assert len(drift) == 1 and drift[0].startswith("steps 1-3 had no group with a reward spread (every advantage "
                                                    "0): their optimizer steps followed the entropy bonus alone")

@@ -225,19 +225,22 @@ class Learner:
             old_logp = self._pre_update_logprobs(batch, my_rows)
         entropy = torch.zeros_like(batch.completion_mask)
         with timer("update"):
-            parts, loss_sum, grad_norms = [], 0.0, []
+            parts, loss_sum, grad_norms, zero_advantage = [], 0.0, [], 0
             self.train_model.train()
             for mini, mine in minis:
                 loss, stats = self._accumulate(batch, advantages, settings, importance_correction, old_logp, entropy,
                                                mini, mine, timer)
                 loss_sum += loss
                 parts += stats
+                has_signal = bool(advantages[mini].any())
+                zero_advantage += not has_signal
                 with timer("optimizer"):
-                    grad_norms.append(self._optimizer_step(has_signal=bool(advantages[mini].any())))
+                    grad_norms.append(self._optimizer_step(has_signal))
         gathered_parts = self.dist.gather([(parts, loss_sum)])
         stats = merge_stats([p for ps, _ in gathered_parts for p in ps])
         stats["loss"] = sum(loss for _, loss in gathered_parts)  # as optimised: summed over micro-batches
         stats["grad_norm"] = float(np.mean(grad_norms))
+        stats["zero_advantage_steps"] = float(zero_advantage)
         return UpdateResult(stats, self.parallel.assemble_rows(old_logp, my_rows),
                             self.parallel.assemble_rows(entropy, my_rows))
 

@@ -69,6 +69,8 @@ METRICS: tuple[Metric, ...] = tuple(
                             "`train.skip_grad_norm` (cumulative)."),
         ("skipped_zero_advantage_steps", "Optimizer steps skipped so far because every advantage of their "
                                          "mini-batch was 0 (`train.zero_advantage_steps` skip; cumulative)."),
+        ("zero_advantage_steps", "Optimizer steps of this step whose mini-batch had every advantage 0: applied on "
+                                 "the entropy bonus alone (`train.zero_advantage_steps` apply) or skipped (skip)."),
         ("entropy", "Mean per-token entropy (nats, temperature `rollout.temperature`) of the current policy over "
                     "all completion tokens, from the training forward passes."),
         ("entropy/replayed", "Token-mean entropy under the current policy (training forward) of the step's replayed "
