@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -318,3 +319,100 @@ def test_sigterm_stops_the_whole_study_after_checkpointing_the_current_run(tmp_p
            f"run {path}`" in err
     assert completed_steps(tmp_path / "runs" / "grpo" / "seed-1") >= 1  # checkpointed where it stopped
     assert not (tmp_path / "runs" / "grpo" / "seed-2").exists()  # the next run never started
+
+
+def _git(checkout: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(checkout), "-c", "user.name=test", "-c", "user.email=test@example.org",
+                           "-c", "commit.gpgsign=false", *args], check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def _run_study_with(checkout: Path, path: Path) -> None:
+    """`exgrpo experiment run` with the exgrpo of `checkout`, in a process of its own."""
+    done = subprocess.run([sys.executable, "-m", "exgrpo", "experiment", "run", str(path)], cwd=path.parent,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(checkout / "src")},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_runs_record_when_and_which_code_ran_them_and_the_report_flags_mixed_code(tmp_path):
+    """A run started by one commit and resumed by another records both sessions; the report shows them and warns."""
+    from exgrpo.runtime.provenance import read_sessions
+
+    checkout = tmp_path / "code"  # a git checkout of this exgrpo, committed: the code a run records
+    shutil.copytree(ROOT / "src" / "exgrpo", checkout / "src" / "exgrpo", ignore=shutil.ignore_patterns("__pycache__"))
+    _git(checkout, "init", "-q")
+    _git(checkout, "add", ".")
+    _git(checkout, "commit", "-qm", "one")
+    first = _git(checkout, "rev-parse", "HEAD")
+    path = _study(tmp_path, arms={"grpo": {"overrides": ["experience.ratio=0"]}}, seeds=[1])
+    run_dir = tmp_path / "runs" / "grpo" / "seed-1"
+    _run_study_with(checkout, path)
+    (session,) = read_sessions(run_dir)
+    assert (session["from_step"], session["to_step"], session["stopped_by"]) == (0, 3, None)
+    assert session["code"]["git"] == {"checkout": str(checkout.resolve()), "commit": first, "dirty": False,
+                                      "changes": []}
+    assert session["started"] <= session["ended"] and session["code"]["source"] == str(checkout.resolve() / "src"
+                                                                                       / "exgrpo")
+
+    def report():
+        done = run_cli(["experiment", "report", str(path), "--output", str(tmp_path / "report")])
+        assert done.returncode == 0, done.stderr
+        return done.stderr, (tmp_path / "report" / "report.md").read_text()
+
+    stderr, text = report()
+    assert "exgrpo: warning" not in stderr and "WARNING" not in text
+    assert f"Every run was run and resumed by the same code: exgrpo 0.1.0 at {first[:7]}." in text
+    assert f"| grpo/seed-1 | 1 | {session['started']} | {session['ended']} | exgrpo 0.1.0 at {first[:7]} | " in text
+    curves = json.loads((tmp_path / "report" / "curves.json").read_text())
+    assert curves["provenance"] == {"grpo/seed-1": [session]} and len(curves["grpo/seed-1"]) == 3
+
+    shutil.rmtree(run_dir / "checkpoints" / "step-000003")  # as if killed after step 2; then the code changes
+    (checkout / "src" / "exgrpo" / "__init__.py").write_text(
+        (checkout / "src" / "exgrpo" / "__init__.py").read_text() + "# a change\n")
+    _git(checkout, "commit", "-qam", "two")
+    second = _git(checkout, "rev-parse", "HEAD")
+    _run_study_with(checkout, path)
+    sessions = read_sessions(run_dir)
+    assert sessions[0] == session and [(s["from_step"], s["to_step"]) for s in sessions] == [(0, 3), (2, 3)]
+    assert sessions[1]["code"]["git"]["commit"] == second
+    held_out = [json.loads(line)["step"] for line in (run_dir / "eval_samples.jsonl").read_text().splitlines()]
+    assert held_out == [2] * 4 + [3] * 4  # each evaluation's graded completions, step 3's logged once
+
+    stderr, text = report()
+    mixed = (f"the runs of this study were run or resumed by different code: exgrpo 0.1.0 at {first[:7]}: "
+             f"grpo/seed-1; exgrpo 0.1.0 at {second[:7]}: grpo/seed-1")
+    assert f"exgrpo: warning: {mixed}" in stderr and f"**WARNING: {mixed}** (see Runs, below)." in text
+    assert f"| 2 | {session['started']} | {sessions[1]['ended']} | exgrpo 0.1.0 at {first[:7]} / exgrpo 0.1.0 at " \
+           f"{second[:7]} | " in text
+
+
+def test_the_report_warns_of_a_dirty_tree_and_counts_zero_advantage_steps():
+    from exgrpo.studies.report import code_warning, provenance_summary, zero_advantage_steps
+
+    def session(commit: str, dirty: bool) -> dict:
+        git = {"checkout": "/c", "commit": commit, "dirty": dirty, "changes": [" M x.py"] if dirty else []}
+        return {"code": {"exgrpo": "0.1.0", "source": "/c/src/exgrpo", "git": git}}
+
+    clean, dirty = session("a" * 40, False), session("a" * 40, True)
+    assert code_warning({"g/seed-1": [clean], "e/seed-1": [clean, clean]}) is None
+    assert code_warning({"g/seed-1": [dirty]}) == (
+        "the runs of this study were run from a tree with uncommitted changes, so which code ran them is not known "
+        "exactly: exgrpo 0.1.0 at aaaaaaa (dirty tree): g/seed-1")
+    assert code_warning({"g/seed-1": [clean], "e/seed-1": []}) == (
+        "the runs of this study were run or resumed by different code: exgrpo 0.1.0 at aaaaaaa: g/seed-1; "
+        "not recorded: e/seed-1")
+    assert code_warning({"g/seed-1": [], "e/seed-1": []}) is None
+    assert provenance_summary({"g/seed-1": []}, None).startswith("No run recorded its sessions")
+
+    run = _result(1, [8] * 4, {})  # logged before zero_advantage_steps: one optimizer step a step, read from the spread
+    for m, flat in zip(run.history, (1.0, 0.5, 1.0, 0.0)):
+        m["frac_reward_zero_std"] = flat
+    run.config = config_from_dict({"train": {"mini_batches": 1}})
+    assert zero_advantage_steps(run) == 2
+    run.config = config_from_dict({"train": {"mini_batches": 2}})
+    assert zero_advantage_steps(run) is None  # two mini-batches: a step with a spread may still have had one
+    for m, n in zip(run.history, (2, 1, 2, 0)):
+        m["zero_advantage_steps"] = float(n)
+    assert zero_advantage_steps(run) == 5

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -14,6 +15,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from exgrpo.config import DataConfig  # noqa: E402
+from exgrpo.errors import ExgrpoWarning  # noqa: E402
+from exgrpo.runtime.provenance import code_label, read_sessions  # noqa: E402
 from exgrpo.studies.study import Registration, RunResult, Study, load_results, mixed_phase_start  # noqa: E402
 from exgrpo.studies.statistics import paired_difference, power_statement, t_interval, verdict  # noqa: E402
 from exgrpo.studies.working import classify  # noqa: E402
@@ -213,12 +216,89 @@ def _primary_text(registered: Registration) -> str:
             f"the mean held-out accuracy over the last {registered.late_evaluations} evaluations")
 
 
-def write_curves(arms: dict[str, list[RunResult]], path: Path) -> None:
-    """Every run's evaluations (step, cumulative sampled rollouts, accuracy) as JSON, kept with the report so that
-    it can be analysed again after the run directories are gone."""
+def write_curves(arms: dict[str, list[RunResult]], path: Path, sessions: dict[str, list[dict]]) -> None:
+    """Every run's evaluations (step, cumulative sampled rollouts, accuracy) as JSON under "<arm>/seed-<seed>", kept
+    with the report so that it can be analysed again after the run directories are gone, and under "provenance"
+    each run's recorded sessions (`exgrpo.runtime.provenance`)."""
     curves = {f"{name}/seed-{r.seed}": [[int(s), int(n), float(a)] for s, n, a in zip(*r.curve())]
               for name, runs in arms.items() for r in runs}
-    path.write_text(json.dumps(curves, indent=0))
+    path.write_text(json.dumps({**curves, "provenance": sessions}, indent=0))
+
+
+NOT_RECORDED = "not recorded"
+
+
+def run_sessions(study: Study, arms: dict[str, list[RunResult]]) -> dict[str, list[dict]]:
+    """Each run's recorded sessions (started, ended, the code), by "<arm>/seed-<seed>"."""
+    return {f"{name}/seed-{r.seed}": read_sessions(study.run_dir(r.arm, r.seed)) for name, runs in arms.items()
+            for r in runs}
+
+
+def _runs_by_code(sessions: dict[str, list[dict]]) -> dict[str, list[str]]:
+    """The runs each code ran or resumed (`code_label`), "not recorded" for runs that recorded no session."""
+    by_code: dict[str, list[str]] = defaultdict(list)
+    for run, recorded in sessions.items():
+        for label in dict.fromkeys(code_label(s["code"]) for s in recorded) or [NOT_RECORDED]:
+            by_code[label].append(run)
+    return dict(by_code)
+
+
+def code_warning(sessions: dict[str, list[dict]]) -> str | None:
+    """What is wrong with the code that ran the study's runs, or None: runs run or resumed by different code
+    (or some recorded and some not), or run from a tree with uncommitted changes. Runs that all recorded nothing
+    are not warned about here (the provenance table says so)."""
+    by_code = _runs_by_code(sessions)
+    dirty = any(label.endswith("(dirty tree)") for label in by_code)
+    if list(by_code) == [NOT_RECORDED] or (len(by_code) == 1 and not dirty):
+        return None
+    what = ("were run or resumed by different code" if len(by_code) > 1 else
+            "were run from a tree with uncommitted changes, so which code ran them is not known exactly")
+    return f"the runs of this study {what}: " + "; ".join(f"{label}: {', '.join(runs)}"
+                                                         for label, runs in by_code.items())
+
+
+def zero_advantage_steps(run: RunResult) -> int | None:
+    """The run's optimizer steps whose mini-batch had every advantage 0 (the logged `zero_advantage_steps`); for
+    lines logged before that metric, the steps with no reward spread in any group when a step is one optimizer step
+    (train.mini_batches 1); None when neither tells."""
+    total = 0.0
+    for m in run.history:
+        if "zero_advantage_steps" in m:
+            total += m["zero_advantage_steps"]
+        elif run.config.train.mini_batches == 1:
+            total += m["frac_reward_zero_std"] == 1.0
+        else:
+            return None
+    return int(total)
+
+
+def provenance_table(arms: dict[str, list[RunResult]], names: list[str], sessions: dict[str, list[dict]]
+                     ) -> list[str]:
+    """One row per run: its sessions (a start and every resume), when the first started and the last ended, the
+    code of each, and its optimizer steps whose advantages were all 0."""
+    lines = ["| run | sessions | started | ended | code | optimizer steps with every advantage 0 |",
+             "|---|---:|---|---|---|---:|"]
+    for name in names:
+        for r in arms[name]:
+            recorded = sessions[f"{name}/seed-{r.seed}"]
+            zero = zero_advantage_steps(r)
+            ended = (recorded[-1]["ended"] or "no end recorded (killed or crashed)") if recorded else NOT_RECORDED
+            started = recorded[0]["started"] if recorded else NOT_RECORDED
+            code = " / ".join(dict.fromkeys(code_label(s["code"]) for s in recorded)) or NOT_RECORDED
+            lines.append(f"| {name}/seed-{r.seed} | {len(recorded)} | {started} | {ended} | {code} | "
+                         f"{'—' if zero is None else zero} |")
+    return lines
+
+
+def provenance_summary(sessions: dict[str, list[dict]], warning: str | None) -> str:
+    """The line above the provenance table: the warning, or which one code ran every run, or that none recorded it."""
+    if warning:
+        return f"**WARNING: {warning}.**"
+    (label,) = _runs_by_code(sessions)
+    if label == NOT_RECORDED:
+        return "No run recorded its sessions (they ran before run directories recorded them): which code ran them is " \
+            "unknown."
+    return f"Every run was run and resumed by the same code: {label}."
 
 
 def analyses_table(arms: dict[str, list[RunResult]], names: list[str]) -> list[str]:
@@ -459,13 +539,18 @@ def write_study_report(study: Study, out: str | Path, main_arms: list[str], only
     ablations = [n for n in names if n not in main_arms]
     plots = _plots(arms, names, main_arms, ablations, out)
     samples_link = _write_samples_page(arms, names, out)
-    write_curves(arms, out / "curves.json")
+    sessions = run_sessions(study, {n: arms[n] for n in names})
+    warning = code_warning(sessions)
+    if warning:
+        warnings.warn(ExgrpoWarning(warning), stacklevel=2)
+    write_curves(arms, out / "curves.json", sessions)
     reg = study.registered
     references = list(dict.fromkeys([study.baseline, main_arms[-1]]))  # deltas against GRPO and against ExGRPO
     comparisons = [(n, study.baseline) for n in names if n != study.baseline] + \
         [(main_arms[-1], n) for n in ablations if main_arms[-1] != study.baseline]  # what each ablation removes
     lines = [
         f"# Study `{study.path.name}`", "", _setting(study, arms), "",
+        *([f"**WARNING: {warning}** (see Runs, below).", ""] if warning else []),
         "## Final held-out accuracy", "", *final_table(arms, names, references), "",
         "## Paired differences (accuracy points)", "", _verdict_rules(reg), "",
         *([power_statement(reg, len(arms[study.baseline])), ""] if reg.power_sd else []),
@@ -476,6 +561,8 @@ def write_study_report(study: Study, out: str | Path, main_arms: list[str], only
         *mechanism_table(arms, names), "",
         *samples_link,
         take_off_line(arms, names, reg), "",
+        "## Runs: when, which code, optimizer steps without a learning signal", "",
+        provenance_summary(sessions, warning), "", *provenance_table(arms, names, sessions), "",
         *[f"![{p}]({p})" for p in plots], "",
     ]
     path = out / "report.md"
