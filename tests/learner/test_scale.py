@@ -178,18 +178,38 @@ def test_long_prompts_are_dropped_with_a_warning(tiny_policy, questions, tmp_pat
     assert sorted(trainer.experience.question_pool.questions) == ["q0", "q1", "q2", "q3"]
 
 
-def test_frozen_lora_base_cast_once_gives_autocasts_values():
-    """The bf16 rollout's speed-up (one cast per rollout instead of one per decode step) changes no value."""
+def test_frozen_lora_base_stored_in_bf16_gives_autocasts_values():
+    """bf16 training with LoRA stores the frozen base in bf16 (nothing cast per op): no value changes, and the
+    adapter (what the optimizer updates) stays fp32."""
     from exgrpo.config import LoraConfig
-    from exgrpo.learner.learner import frozen_linear_weights_as
+    from exgrpo.learner.learner import store_frozen_linear_weights
     from exgrpo.models import apply_lora, load_policy
 
     model = apply_lora(load_policy("tiny")[0], LoraConfig(r=4, alpha=8))
     ids = torch.randint(0, model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         want = model(ids).logits
-        with frozen_linear_weights_as(model, torch.bfloat16):
-            cast = sum(p.dtype == torch.bfloat16 for p in model.parameters())
-            got = model(ids).logits
+        cast = store_frozen_linear_weights(model, torch.bfloat16)
+        got = model(ids).logits
     assert cast > 0 and torch.equal(got, want)
-    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+    assert store_frozen_linear_weights(model, torch.bfloat16) == 0
+
+
+def test_bf16_update_logprobs_agree_with_the_fp32_reference(questions):
+    """The update's log-probs under train.dtype=bf16 (frozen LoRA base stored in bf16, autocast) stay within 0.05
+    nats of the fp32 forward's on every token, and their mean within 0.01 (bf16 keeps 8 bits of mantissa)."""
+    from exgrpo.config import LoraConfig
+    from exgrpo.models import load_policy
+
+    model, tok = load_policy("tiny:0", lora=LoraConfig(r=4, alpha=8))
+    batch = _batch(tok, questions(12)[::4], [[5, 6, 7], [8], [9, 10, 11, 12, 13, 14], [15, 16]])
+    with torch.no_grad():
+        reference, _ = token_logprobs(model, batch, 1.0)
+        learner = _update(model, dtype="bf16")
+        assert {p.dtype for p in model.parameters() if not p.requires_grad} >= {torch.bfloat16}
+        logp, _ = learner.logprobs(model, batch, slice(None), with_entropy=False)
+    mask = batch.completion_mask.bool()
+    difference = (logp.float() - reference)[mask].abs()
+    assert difference.max() < 0.05 and difference.mean() < 0.01, (difference.max(), difference.mean())
+    assert difference.max() > 0  # bf16 was used

@@ -80,26 +80,21 @@ class UpdateResult:
     token_entropy: torch.Tensor  # (N, T) token entropies from the training forward passes (0 off completions)
 
 
-@contextlib.contextmanager
-def frozen_linear_weights_as(model: torch.nn.Module, dtype: torch.dtype, enabled: bool = True):
-    """Store the frozen Linear weights (a LoRA base) in `dtype` while the block runs, restored after.
+def store_frozen_linear_weights(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Store the frozen Linear weights (a LoRA base) in `dtype` for good; returns how many were cast.
 
-    Autocast caches its casts only of weights that require grad, so under autocast a frozen weight is cast again at
-    every call: at every decode step of a rollout. Cast once here, the matmuls see the same values (autocast casts
-    to the same dtype by the same rounding). Weights shared with an embedding are left alone: the lookup would then
-    return `dtype` activations, which autocast does not do.
+    Under bf16 autocast every use of a frozen fp32 weight casts it again (autocast caches only the casts of weights
+    that require grad): in every forward of every micro-batch and at every decode step of a rollout. Stored in bf16,
+    the matmuls see the same values (autocast rounds to the same dtype the same way) and nothing is cast. Weights
+    shared with an embedding are left alone: the lookup would then return `dtype` activations, which autocast does
+    not do. The trainable weights and their optimizer state stay in fp32.
     """
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     frozen = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad
-              and m.weight.dtype != dtype and id(m.weight) not in embeddings] if enabled else []
-    originals = [w.data for w in frozen]
-    try:
-        for w in frozen:
-            w.data = w.data.to(dtype)
-        yield
-    finally:
-        for w, data in zip(frozen, originals):
-            w.data = data
+              and m.weight.dtype != dtype and id(m.weight) not in embeddings]
+    for w in frozen:
+        w.data = w.data.to(dtype)
+    return len(frozen)
 
 
 SKIPPED_STEP_COUNTERS = ("skipped_optimizer_steps", "skipped_zero_advantage_steps")
@@ -148,6 +143,8 @@ class Learner:
         self.parallel = parallelism(model, train, dist, loss_scale)
         self.train_model = self.parallel.train_model
         self._autocast = train.dtype == "bf16" and not self.parallel.casts_parameters
+        if self._autocast:
+            store_frozen_linear_weights(model, torch.bfloat16)
         # the KV-cache prompt sharing needs the cache, which activation checkpointing turns off
         self.prompt_sharing = "never" if train.activation_checkpointing else self.parallel.prompt_sharing
         # with dropout, the training forward is not the sampling policy: behaviour log-probs need their own pass
@@ -189,8 +186,7 @@ class Learner:
     @contextlib.contextmanager
     def rollout_weights(self):
         """The context to sample in with the training model: its full weights, in the compute precision."""
-        with self.full_weights(), self.compute_precision(), \
-                frozen_linear_weights_as(self.model, torch.bfloat16, enabled=self._autocast):
+        with self.full_weights(), self.compute_precision():
             yield
 
     def compute_precision(self):

@@ -48,13 +48,14 @@ def copied_weights(model) -> list[tuple[str, torch.Tensor]]:
 
 def _merged(module) -> torch.Tensor:
     """A LoRA layer's base weight plus its active adapters' deltas (peft's own: fan_in_fan_out layers transposed),
-    in the weight's own precision whatever the caller's autocast (the push runs in another thread)."""
+    summed in fp32 whatever the caller's autocast (the push runs in another thread) and rounded once to the base
+    weight's precision (bf16 where the learner stores a frozen base so: `store_frozen_linear_weights`)."""
     weight = module.base_layer.weight
-    delta = torch.zeros_like(weight)
+    delta = torch.zeros_like(weight, dtype=torch.float32)
     with torch.autocast(weight.device.type, enabled=False):
         for adapter in module.active_adapters:
-            delta = delta + module.get_delta_weight(adapter).to(delta.dtype)
-    return (weight + delta).detach()
+            delta = delta + module.get_delta_weight(adapter).float()
+    return (weight.float() + delta).to(weight.dtype).detach()
 
 
 def fused_slots(vllm_model) -> dict[str, tuple[str, int, int]]:
