@@ -18,7 +18,7 @@ export TOKENIZERS_PARALLELISM := false
 # bytecode of what it imports, once, also where the environment says not to.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install demo test test-heavy test-fast test-vllm test-wheel test-compat bench clean
+.PHONY: install demo test test-heavy test-fast test-vllm test-wheel test-compat bench metrics-diff clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -78,6 +78,11 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/buffer.py
+
+# Refactor check: short demo and tiny runs on BASE and on the working tree, metrics compared (bench/metrics_diff.py)
+BASE ?= HEAD
+metrics-diff: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python bench/metrics_diff.py $(BASE) $(if $(SETTINGS),--settings $(SETTINGS))
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(COMPAT_VENV) runs .pytest_cache

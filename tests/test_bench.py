@@ -1,11 +1,20 @@
-"""The GPU check runs here on CPU at toy sizes (`--smoke`), so the script a GPU session runs once is not broken."""
+"""The GPU check runs here on CPU at toy sizes (`--smoke`), so the script a GPU session runs once is not broken;
+bench/metrics_diff.py's comparison and its settings' overrides, without a run."""
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from exgrpo.config import load_config
+
 ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("metrics_diff", ROOT / "bench" / "metrics_diff.py")
+metrics_diff = sys.modules["metrics_diff"] = importlib.util.module_from_spec(spec)  # its dataclass looks itself up
+spec.loader.exec_module(metrics_diff)
 
 
 def test_the_gpu_check_runs_every_part_on_cpu(tmp_path):
@@ -16,3 +25,41 @@ def test_the_gpu_check_runs_every_part_on_cpu(tmp_path):
     assert report["tiny_training"]["steps"] == 2 and report["fsdp_one_rank"]["grads"]
     shaped = report["qwen2.5_1.5b_shape"]
     assert shaped["tokens"] == 512 and shaped["train_tokens_per_s"] > 0 and shaped["decode_tokens"] > 0
+
+
+def _step(step, **values):
+    return {"step": step, "time": 1e9 + step, "time/step": 1.5, "tokens_per_second": 9.0, "async/engine_idle": 0.1,
+            "async/learner_idle": 0.2, "reward": 0.5, "loss": 0.25, "guidance/demonstration_reward": float("nan"),
+            **values}
+
+
+def test_metrics_diff_ignores_wall_times_only():
+    base = [_step(1), _step(2)]
+    timed_again = [{**m, "time/step": 9.9, "time": 0.0, "tokens_per_second": 1.0, "async/engine_idle": 5.0,
+                    "async/learner_idle": 5.0} for m in base]
+    assert metrics_diff.first_difference(base, timed_again) is None  # NaN equals NaN too
+    staleness = [_step(1), _step(2, **{"async/staleness_max": 1.0})]
+    assert metrics_diff.first_difference(base, staleness) == (
+        "first difference at step 2:\n    async/staleness_max: base '(absent)', working tree 1.0")
+
+
+def test_metrics_diff_reports_the_first_differing_step_with_both_values():
+    base = [_step(1), _step(2), _step(3)]
+    changed = [_step(1), _step(2, loss=0.75, reward=0.0), _step(3, loss=1.0)]
+    assert metrics_diff.first_difference(base, changed) == (
+        "first difference at step 2:\n    loss: base 0.25, working tree 0.75\n    reward: base 0.5, working tree 0.0")
+    assert metrics_diff.first_difference(base, base[:2]) == "line 3 (step 3): only the base logged it"
+
+
+@pytest.mark.parametrize("name", ["demo-sync", "demo-async", "tiny-sync"])
+def test_metrics_diff_settings_are_valid_configs(name, tmp_path):
+    arguments = metrics_diff.SETTINGS[name].arguments(ROOT, tmp_path, 5)
+    assert arguments[:4] == ["-m", "exgrpo", "train", "--config"]
+    config = load_config(arguments[4], arguments[5:])
+    assert config.train.steps == config.eval.every == 5 and config.logging.output_dir == str(tmp_path)
+    assert config.experience.start_threshold == 0
+
+
+def test_metrics_diff_tiny_async_runs_the_async_tests_harness(tmp_path):
+    script = Path(metrics_diff.SETTINGS["tiny-async"].arguments(ROOT, tmp_path, 5)[0])
+    assert script == ROOT / "tests" / "training" / "async_ranks.py" and script.is_file()
