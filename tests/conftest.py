@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -25,6 +26,33 @@ from exgrpo.rollout import Rollouts
 
 # two cores: two threads, or one per pytest-xdist worker
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
+
+#: the session's temporary directory (set by the first pytest process; its xdist workers inherit it)
+SESSION_TMPDIR = "EXGRPO_TESTS_TMPDIR"
+
+
+def pytest_configure(config):
+    """Give the session, and every process it starts, a temporary directory of its own that goes with it: what
+    torch's elastic agent (a torchelastic_* log directory per torchrun launch), vLLM (a vllm_dist_* store file when
+    stopped at once), torch's compile cache and pytest itself write there is removed when the session ends."""
+    if os.environ.get(SESSION_TMPDIR):  # an xdist worker: the directory is the controller's
+        return
+    root = tempfile.mkdtemp(prefix="exgrpo-tests-")
+    os.environ[SESSION_TMPDIR] = os.environ["TMPDIR"] = root
+    tempfile.tempdir = None  # read TMPDIR again: pytest's own base temp goes there too
+    config.exgrpo_tmpdir = Path(root)
+
+
+def pytest_unconfigure(config):
+    """Remove the session's temporary directory, saying what the tests' processes left in it besides pytest's own
+    base temp (a leak to mend: it would stay in the temp dir outside the suite)."""
+    root = getattr(config, "exgrpo_tmpdir", None)
+    if root is None:
+        return
+    left = sorted(p.name for p in root.iterdir() if not p.name.startswith("pytest-of-"))
+    if left:
+        sys.stderr.write(f"\nthe tests' processes left in the temp dir (removed now): {', '.join(left)}\n")
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def run_cli(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
