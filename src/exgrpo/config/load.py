@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import types
 import typing
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any, Literal
 import yaml
 
 from exgrpo.config.presets import config_file
-from exgrpo.config.renamed import rename_fields, renamed_key
+from exgrpo.config.renamed import rename_fields, rename_overrides
 from exgrpo.config.rules import changed_fields, validate
 from exgrpo.config.schema import ExGRPOConfig
 from exgrpo.errors import ConfigError
@@ -132,9 +133,22 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
             raw = args[i]
         else:
             raise ConfigError(f"override {arg!r} must look like section.field=value or --section.field value")
-        pairs.append((key, yaml.safe_load(raw) if raw != "" else ""))
+        pairs.append((key, _override_value(key, raw)))
         i += 1
     return pairs
+
+
+def _override_value(key: str, raw: str) -> Any:
+    """An override's value parsed as YAML ("" stays ""); text that is not YAML is an error naming the override."""
+    if raw == "":
+        return ""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"override {key}={raw}: {raw!r} is not a YAML value ({getattr(e, 'problem', e)}{at}); "
+                          f"to give it as text, quote it: '{key}=\"{raw}\"'") from None
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -154,6 +168,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def read_yaml(path: Path, what: str):
     """The parsed YAML of `path`; a missing file, invalid YAML, a key given twice or bytes that are not UTF-8 are a
     ConfigError naming the file (and the line)."""
+    if path.is_dir():
+        raise ConfigError(f"{what} {path} is a directory; expected a YAML file")
     if not path.is_file():
         raise ConfigError(f"{what} {path} does not exist")
     try:
@@ -168,6 +184,25 @@ def read_yaml(path: Path, what: str):
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     finally:
         loader.dispose()
+
+
+def read_run_config(path: Path) -> dict:
+    """The resolved config a run stored (its config.json): a mapping of sections; anything else (an empty file,
+    null, a list, a string) is a ConfigError naming the file, never read as "every field at its default"."""
+    stored = read_yaml(path, "run config")
+    if not isinstance(stored, dict) or not stored or not all(isinstance(v, dict) for v in stored.values()):
+        got = "nothing (an empty file or null)" if stored is None or stored == {} else _kind(stored)
+        raise ConfigError(f"{path}: expected the run's resolved config, a mapping of sections (model, data, train, "
+                          f"...), got {got}; the file is damaged: restore it, or give the run's config with --config")
+    return stored
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, dict):
+        bad = next(k for k, v in value.items() if not isinstance(v, dict))
+        return f"{bad!r} set to {_kind(value[bad])} instead of a section"
+    kind = {list: "a list", str: "a string", bool: "true or false", int: "a number", float: "a number"}
+    return f"{kind.get(type(value), type(value).__name__)} ({json.dumps(value)[:40]})"
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
@@ -187,8 +222,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
     given = _dotted_keys(tree) if path is not None else set()  # a resolved `base` sets every field
-    for key, value in parse_overrides(overrides or []):
-        key = renamed_key(key)
+    for key, value in rename_overrides(parse_overrides(overrides or [])):
         _set_dotted(tree, key, value)
         given.add(key)
     try:

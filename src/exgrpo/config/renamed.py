@@ -20,6 +20,16 @@ def renamed_key(dotted: str) -> str:
     return dotted
 
 
+def rename_overrides(pairs: list[tuple[str, object]]) -> list[tuple[str, object]]:
+    """Overrides (dotted key, value) under the new names; the old and the new name of one field both given is an
+    error (which one was meant?), as in a file."""
+    keys = {key for key, _ in pairs}
+    for old, new in RENAMED.items():
+        if old in keys and new in keys:
+            raise ConfigError(f"overrides {old} and {new} are both given: {old} is the old name of {new}; keep {new}")
+    return [(renamed_key(key), value) for key, value in pairs]
+
+
 def rename_fields(tree: dict) -> dict:
     """`tree` (nested sections) with renamed fields under their new names; both names set is an error."""
     for old, new in RENAMED.items():

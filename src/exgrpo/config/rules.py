@@ -179,7 +179,10 @@ def _not_a_server_url(url: str) -> str | None:
     """Why `url` is not a server's base URL (http(s)://host:port), or None."""
     from urllib.parse import urlsplit
 
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as e:  # e.g. an unclosed IPv6 bracket: "Invalid IPv6 URL"
+        return f"is not a URL ({e})"
     if parts.scheme not in ("http", "https") or not parts.netloc:
         return "does not start with http:// or https://"
     if not parts.hostname:
