@@ -107,9 +107,11 @@ def _experiment(args) -> int:
     """Run (or resume) the runs of a multi-seed study, say how far each got, or write its report."""
     from exgrpo.studies.study import load_study, run_study, study_status
 
+    if args.overwrite and args.action != "run":
+        raise ConfigError(f"--overwrite starts runs over: it goes with `exgrpo experiment run`, not {args.action}")
     study = load_study(args.study)
     if args.action == "run":
-        stopped = run_study(study, arms=args.arms, seeds=args.seeds,
+        stopped = run_study(study, arms=args.arms, seeds=args.seeds, overwrite=args.overwrite,
                             log=lambda m: print(f"exgrpo experiment: {m}", flush=True))
         if stopped:
             _note(f"{stopped}: the study stopped after checkpointing the current run; continue it with `exgrpo "
@@ -254,6 +256,8 @@ def _add_experiment_parser(sub) -> None:
     p.add_argument("--arms", nargs="+", metavar="ARM",
                    help="only these arms (report: the baseline and --main among them)")
     p.add_argument("--seeds", nargs="+", type=int, metavar="SEED", help="run, status: only these seeds")
+    p.add_argument("--overwrite", action="store_true",
+                   help="run: start the selected runs over, deleting what they hold (complete runs too)")
     p.add_argument("--output", default="docs/results", help="report: output directory (default: docs/results)")
     p.add_argument("--main", nargs="+", metavar="ARM",
                    help="report: the arms compared in the main plots, baseline first (default: the baseline)")

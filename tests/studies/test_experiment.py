@@ -112,7 +112,8 @@ def test_interrupted_run_resumes_and_report_waits_for_it(tmp_path):
             shutil.rmtree(ckpt)
     assert completed_steps(study.run_dir(arm, 1)) == 2
     status = run_cli(["experiment", "status", str(path)])
-    assert status.stdout.splitlines() == ["grpo seed 1: checkpointed at step 2 of 3", "0 of 1 runs complete"]
+    assert status.stdout.splitlines() == ["grpo seed 1: checkpointed at step 2 of 3, logged to step 3 (a resume runs "
+                                          "the steps after 2 again)", "0 of 1 runs complete"]
     with pytest.raises(ConfigError, match="grpo/seed-1"):
         load_results(study)
     messages = []
@@ -133,11 +134,73 @@ def test_interrupted_run_resumes_and_report_waits_for_it(tmp_path):
     ({"baseline": "nope"}, "no arm 'nope'"),
     ({"arms": {"a": {"overrides": ["experience.ratio=two"]}}, "baseline": "a"}, "arm 'a'.*experience.ratio"),
     ({"arms": {"a": {"overrides": "experience.ratio=0"}}, "baseline": "a"}, "arms.a.overrides: expected a list"),
+    ({"seeds": [1, 1, 2]}, r"seeds: seed 1 appears more than once in \[1, 1, 2\]; expected distinct seeds"),
+    ({"arms": {"a": {"seeds": [3, 4, 3]}}, "baseline": "a"}, r"arms.a.seeds: seed 3 appears more than once"),
+    ({"arms": {"../../escaped": {}}, "baseline": "../../escaped"}, r"arm name '../../escaped' is not a plain name"),
+    ({"arms": {"a/b": {}}, "baseline": "a/b"}, r"arm name 'a/b' is not a plain name"),
+    ({"arms": {"..": {}}, "baseline": ".."}, r"arm name '..' is not a plain name"),
+    ({"arms": {"initial": {}}, "baseline": "initial"}, r"arm name 'initial' is not a plain name"),
+    ({"arms": {"a": {"overrides": ["logging.output_dir=elsewhere"]}}, "baseline": "a"},
+     r"arms.a.overrides: 'logging.output_dir=elsewhere': the study sets logging.output_dir itself \(runs go to "),
+    ({"arms": {"a": {"overrides": ["--train.seed=7"]}}, "baseline": "a"},
+     r"arms.a.overrides: '--train.seed=7': the study sets train.seed itself \(each run's seed is one of the arm's"),
+    ({"overrides": ["train.seed=7"]}, r"overrides: 'train.seed=7': the study sets train.seed itself"),
 ])
 def test_bad_study_files_name_the_key(tmp_path, change, message):
     path = _study(tmp_path, **change)
     with pytest.raises(ConfigError, match=message):
         load_study(path)
+
+
+def test_a_run_whose_checkpoints_are_gone_is_said_and_started_over_by_the_command_given(tmp_path):
+    path = _study(tmp_path, arms={"grpo": {"overrides": ["experience.ratio=0"]}}, seeds=[1], overrides=[
+        "train.steps=2", "train.save_every=1", "eval.every=0", "logging.progress=false", "logging.sample_every=0"])
+    study = load_study(path)
+    run_study(study, log=lambda m: None)
+    run_dir = study.run_dir(study.arm("grpo"), 1)
+    shutil.rmtree(run_dir / "checkpoints")
+    command = f"`exgrpo experiment run {path} --arms grpo --seeds 1 --overwrite`"
+    assert study_status(study) == [f"grpo seed 1: logged to step 2 of 2, but no checkpoint is left: it cannot resume "
+                                   f"(restore a checkpoint, or start it over with {command})", "0 of 1 runs complete"]
+    refused = run_cli(["experiment", "run", str(path)])
+    assert refused.returncode == 2 and refused.stderr.splitlines()[-1].endswith(
+        f"Restore a checkpoint, or start over with {command}, which deletes the run"), refused.stderr
+    done = run_cli(command.strip("`").split()[1:])
+    assert done.returncode == 0 and "grpo seed 1: starting over" in done.stdout, done.stderr
+    assert study_status(study) == ["grpo seed 1: complete (2 steps)", "1 of 1 runs complete"]
+    status = run_cli(["experiment", "status", str(path), "--overwrite"])
+    assert status.returncode == 2 and "--overwrite starts runs over: it goes with `exgrpo experiment run`" in \
+        status.stderr
+
+
+def test_status_says_what_a_run_has_on_disk(tmp_path):
+    from exgrpo.studies.study import run_state
+
+    run_dir = tmp_path / "run"
+    assert run_state(run_dir, 5) == (False, 0, "not started")
+    run_dir.mkdir()
+    assert run_state(run_dir, 5) == (False, 0, "started, no step logged yet")
+    (run_dir / "config.json").write_text(json.dumps({"train": {"save_every": 2}}))
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"st')  # a last line cut short by a kill
+    assert run_state(run_dir, 5)[2] == "logged to step 2 of 5, no checkpoint yet (a resume starts it again)"
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n')
+    assert run_state(run_dir, 5, "X")[2] == ("logged to step 3 of 5, but no checkpoint is left: it cannot resume "
+                                             "(restore a checkpoint, or start it over with X)")
+
+
+def test_a_report_panel_with_nothing_to_show_has_no_legend_and_no_warning(tmp_path):
+    """One arm: no paired difference to plot; no replay: no replayed entropy (matplotlib warned "No artists with
+    labels found to put in legend" for each)."""
+    import warnings
+
+    from exgrpo.studies.report import _analyses, _curves
+
+    run = _result(1, [8] * 3, {3: 0.2})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _curves({"a": [run]}, ["a"], tmp_path, "main") == ["main_heldout.png", "main_training.png"]
+        assert _analyses({"a": [run]}, ["a"], tmp_path, "main") == "main_analyses.png"
+    assert (tmp_path / "main_heldout.png").stat().st_size > 1000
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -102,17 +102,27 @@ def checkpoints_gone(directory: str | os.PathLike) -> str | None:
     path = Path(directory)
     try:
         every = json.loads((path / "config.json").read_text())["train"]["save_every"]
-        lines = (path / "metrics.jsonl").read_text().splitlines()
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    steps = []
-    for line in lines:
-        with contextlib.suppress(ValueError, KeyError, TypeError):  # a last line cut short by a kill
-            steps.append(int(json.loads(line)["step"]))
-    if every and steps and max(steps) > every:
-        return (f"its history (metrics.jsonl) reaches step {max(steps)}, past its first checkpoint (step {every}, "
+    logged = last_logged_step(path)
+    if every and logged > every:
+        return (f"its history (metrics.jsonl) reaches step {logged}, past its first checkpoint (step {every}, "
                 f"train.save_every {every}), but no checkpoint is left in {path / 'checkpoints'}")
     return None
+
+
+def last_logged_step(directory: str | os.PathLike) -> int:
+    """The last step the run in `directory` logged to its metrics.jsonl (0: none, or no such file); a line that
+    cannot be read (a last line cut short by a kill) is passed over."""
+    try:
+        lines = (Path(directory) / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return 0
+    steps = [0]
+    for line in lines:
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            steps.append(int(json.loads(line)["step"]))
+    return max(steps)
 
 
 def refuse_existing_run(directory: str | os.PathLike) -> None:

@@ -61,6 +61,13 @@ def _series(runs: list[RunResult], key: str, default: float = np.nan) -> tuple[n
     return _aligned([[(m["step"], m.get(key, default)) for m in r.history] for r in runs], carry=False)
 
 
+def _legend(ax, **style) -> None:
+    """The axes' legend, when something on them has a label (a panel with nothing to show, such as the paired
+    difference of a study with one arm, has none; matplotlib would warn)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**style)
+
+
 def _save(fig, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -88,7 +95,7 @@ def _curves(arms: dict[str, list[RunResult]], names: list[str], out: Path, stem:
     by_rollouts.set(xlabel="sampled completions (cumulative)", title="… vs rollouts consumed")
     for ax in (by_step, by_rollouts, paired):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _legend(ax, fontsize=7)
     _save(fig, out / f"{stem}_heldout.png")
 
     panels = [("reward", "training reward (batch mean)"), ("entropy", "token entropy"),
@@ -100,7 +107,7 @@ def _curves(arms: dict[str, list[RunResult]], names: list[str], out: Path, stem:
             _band(ax, steps, rows, arms[name][0].arm.label)
         ax.set(xlabel="step", title=title)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    _legend(axes[0], fontsize=7)
     _save(fig, out / f"{stem}_training.png")
     return [f"{stem}_heldout.png", f"{stem}_training.png"]
 
@@ -114,7 +121,7 @@ def _buffer(runs: list[RunResult], out: Path, stem: str) -> str:
     present = [k for k in range(K + 1) if hist[k].any()]
     if present:  # an arm without experience (GRPO) has an empty buffer
         axes[0].stackplot(steps, *[hist[k] for k in present], labels=[f"k={k}" for k in present])
-        axes[0].legend(fontsize=6, ncol=2, loc="upper left")
+        _legend(axes[0], fontsize=6, ncol=2, loc="upper left")
     axes[0].set(xlabel="step", title="buffer questions per bucket k")
     for ax, key, title in ((axes[1], "experience/retired", "retired questions (K/K)"),
                            (axes[2], "experience/replay_fraction", "replayed questions / batch")):
@@ -125,7 +132,7 @@ def _buffer(runs: list[RunResult], out: Path, stem: str) -> str:
         steps_k, rows = _series(runs, key)
         _band(axes[3], steps_k, rows, label)
     axes[3].set(xlabel="step", title="replayed tokens: importance weights")
-    axes[3].legend(fontsize=6)
+    _legend(axes[3], fontsize=6)
     for ax in axes:
         ax.grid(alpha=0.3)
     _save(fig, out / f"{stem}_buffer.png")
@@ -150,7 +157,7 @@ def _analyses(arms: dict[str, list[RunResult]], names: list[str], out: Path, ste
     for ax, title in zip(axes, titles):
         ax.set(xlabel="step", title=title)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
+        _legend(ax, fontsize=6)
     _save(fig, out / f"{stem}_analyses.png")
     return f"{stem}_analyses.png"
 

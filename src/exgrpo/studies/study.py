@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -123,6 +124,10 @@ class Study:
     def run_dir(self, arm: Arm, seed: int) -> Path:
         return self.output_dir / arm.name / f"seed-{seed}"
 
+    def start_over(self, arm: Arm, seed: int) -> str:
+        """The command that starts one run of the study over (deleting what it holds)."""
+        return f"`exgrpo experiment run {self.path} --arms {arm.name} --seeds {seed} --overwrite`"
+
     def config(self, arm: Arm, seed: int) -> ExGRPOConfig:
         overrides = [*self.overrides, *arm.overrides, f"train.seed={seed}",
                      f"logging.output_dir={self.run_dir(arm, seed)}"]
@@ -145,7 +150,18 @@ def _seeds(value, where: str) -> tuple[int, ...]:
     if not isinstance(value, list) or not value or not all(isinstance(s, int) and not isinstance(s, bool)
                                                             for s in value):
         raise ConfigError(f"{where}: expected a non-empty list of integer seeds, got {value!r}")
+    repeated = sorted({s for s in value if value.count(s) > 1})
+    if repeated:
+        raise ConfigError(f"{where}: seed {', '.join(map(str, repeated))} appears more than once in {value}; expected "
+                          "distinct seeds (each seed is one run of the arm, and the report pairs arms by seed)")
     return tuple(value)
+
+
+#: fields a study sets itself for each run: an override of them is refused, with the reason
+_STUDY_OWNED = {"logging.output_dir": "runs go to <output_dir>/<arm>/seed-<seed>; set the study's output_dir",
+                "train.seed": "each run's seed is one of the arm's seeds; set the arm's seeds",
+                "logging.overwrite": "the study resumes its runs; start runs over with `exgrpo experiment run "
+                                     "STUDY --arms ARM --seeds SEED --overwrite`"}
 
 
 def _overrides(value, where: str) -> tuple[str, ...]:
@@ -153,7 +169,21 @@ def _overrides(value, where: str) -> tuple[str, ...]:
         return ()
     if not isinstance(value, list) or not all(isinstance(o, str) and "=" in o for o in value):
         raise ConfigError(f"{where}: expected a list of 'section.field=value' strings, got {value!r}")
+    for override in value:
+        key = override.split("=", 1)[0].removeprefix("--")
+        if key in _STUDY_OWNED:
+            raise ConfigError(f"{where}: {override!r}: the study sets {key} itself ({_STUDY_OWNED[key]})")
     return tuple(value)
+
+
+def _arm_name(name, where: str) -> str:
+    """An arm's name, which is a directory of the study's output_dir: a plain name."""
+    text = str(name)
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", text) or text == "initial":
+        raise ConfigError(f"{where}: arm name {text!r} is not a plain name: expected letters, digits and _ . + - "
+                          "(a letter or digit first, no path separators; 'initial' holds the before-training "
+                          "evaluations)")
+    return text
 
 
 def load_study(path: str | Path) -> Study:
@@ -173,8 +203,8 @@ def load_study(path: str | Path) -> Study:
         spec = spec or {}
         if not isinstance(spec, dict) or set(spec) - _ARM_KEYS:
             raise ConfigError(f"{path}: arms.{name}: expected a mapping with keys among {sorted(_ARM_KEYS)}")
-        arms.append(Arm(str(name), str(spec.get("label", name)), _overrides(spec.get("overrides"),
-                        f"{path}: arms.{name}.overrides"),
+        arms.append(Arm(_arm_name(name, f"{path}: arms"), str(spec.get("label", name)),
+                        _overrides(spec.get("overrides"), f"{path}: arms.{name}.overrides"),
                         _seeds(spec["seeds"], f"{path}: arms.{name}.seeds") if "seeds" in spec else seeds))
     root = path.parent
     study = Study(path, config_file(str(raw["base"]), relative_to=root).resolve(), (root / raw["output_dir"]).resolve(),
@@ -205,32 +235,47 @@ def completed_steps(run_dir: Path) -> int:
     return checkpoint_step(latest) if latest is not None else 0
 
 
-def run_state(run_dir: Path, steps: int) -> tuple[bool, int, str]:
-    """Whether the run is complete (`run_complete`), its last checkpoint's step, and its state in words."""
+def run_state(run_dir: Path, steps: int, start_over: str = "--overwrite") -> tuple[bool, int, str]:
+    """Whether the run is complete (`run_complete`), its last checkpoint's step, and what is on disk in words: the
+    last checkpoint and the steps logged (metrics.jsonl); `start_over` is the command that starts it over."""
+    from exgrpo.runtime.rundir import checkpoints_gone, last_logged_step
+
     done = completed_steps(run_dir)
     if run_complete(run_dir, steps):
         return True, done, f"complete ({done} steps)"
-    return False, done, (f"checkpointed at step {done} of {steps}" if done else
-                         "started, no checkpoint yet" if run_dir.exists() else "not started")
+    if not run_dir.exists():
+        return False, done, "not started"
+    logged = last_logged_step(run_dir)
+    if done:
+        rerun = f", logged to step {logged} (a resume runs the steps after {done} again)" if logged > done else ""
+        return False, done, f"checkpointed at step {done} of {steps}{rerun}"
+    if not logged:
+        return False, done, "started, no step logged yet"
+    if checkpoints_gone(run_dir):
+        return False, done, (f"logged to step {logged} of {steps}, but no checkpoint is left: it cannot resume "
+                             f"(restore a checkpoint, or start it over with {start_over})")
+    return False, done, f"logged to step {logged} of {steps}, no checkpoint yet (a resume starts it again)"
 
 
 def study_status(study: Study, arms: list[str] | None = None, seeds: list[int] | None = None) -> list[str]:
-    """One line per selected run: complete, checkpointed part of the way, or not started; then the totals."""
+    """One line per selected run: what is on disk (`run_state`); then the totals."""
     lines, complete = [], 0
     for arm, seed in _selected_runs(study, arms, seeds):
-        finished, _, state = run_state(study.run_dir(arm, seed), study.config(arm, seed).train.steps)
+        finished, _, state = run_state(study.run_dir(arm, seed), study.config(arm, seed).train.steps,
+                                       study.start_over(arm, seed))
         complete += finished
         lines.append(f"{arm.name} seed {seed}: {state}")
     return lines + [f"{complete} of {len(lines)} runs complete"]
 
 
 def run_study(study: Study, arms: list[str] | None = None, seeds: list[int] | None = None,
-              log: Callable[[str], None] = print) -> str | None:
-    """Train every selected (arm, seed) run that has not reached its last step, resuming from its checkpoint.
-    A SIGINT/SIGTERM stops the whole study once the current run has checkpointed; returns that signal's name (None
-    when every run ended by itself)."""
+              log: Callable[[str], None] = print, overwrite: bool = False) -> str | None:
+    """Train every selected (arm, seed) run that has not reached its last step, resuming from its checkpoint; with
+    `overwrite`, every selected run starts over (what it holds is deleted, complete runs' too). A SIGINT/SIGTERM
+    stops the whole study once the current run has checkpointed; returns that signal's name (None when every run
+    ended by itself)."""
     for arm, seed in _selected_runs(study, arms, seeds):
-        stopped_by = _train_run(study, arm, seed, log)
+        stopped_by = _train_run(study, arm, seed, log, overwrite)
         if stopped_by:
             return stopped_by
     return None
@@ -248,22 +293,25 @@ def _selected_runs(study: Study, arms: list[str] | None, seeds: list[int] | None
     return [(arm, seed) for arm in selected for seed in arm.seeds if not seeds or seed in seeds]
 
 
-def _train_run(study: Study, arm: Arm, seed: int, log: Callable[[str], None]) -> str | None:
-    """Train one run to its last step (skipped when complete), evaluating before training on a fresh start;
-    returns the signal's name if one stopped it."""
+def _train_run(study: Study, arm: Arm, seed: int, log: Callable[[str], None], overwrite: bool) -> str | None:
+    """Train one run to its last step (skipped when complete, unless `overwrite` starts it over), evaluating before
+    training on a fresh start; returns the signal's name if one stopped it."""
     from exgrpo.training.launch import prepared_run
 
     config = study.config(arm, seed)
     complete, done, state = run_state(study.run_dir(arm, seed), config.train.steps)
-    if complete:
+    if complete and not overwrite:
         log(f"{arm.name} seed {seed}: {state}, skipped")
         return None
+    if overwrite:
+        config = replace(config, logging=replace(config.logging, overwrite=True))
 
     def note(message: str) -> None:
         log(f"{arm.name} seed {seed}: {message}")
 
-    with prepared_run(config, resume=True, log=note) as (run, checkpoint):
-        note(f"resuming at step {done}" if checkpoint else "starting")
+    start_over = study.start_over(arm, seed)
+    with prepared_run(config, resume=not overwrite, log=note, start_over=start_over) as (run, checkpoint):
+        note(f"resuming at step {done}" if checkpoint else "starting over" if overwrite else "starting")
         if checkpoint is not None:
             run.trainer.resume(checkpoint, verified=True)
         initial = study.initial_eval_path(config)

@@ -118,15 +118,16 @@ def _loaded(field: str, source: str, questions) -> str:
     return f"{field} {source}: {len(questions)} questions{files}{skipped}"
 
 
-def start_point(config: ExGRPOConfig, resume: bool, log: Callable[[str], None] = print
-                ) -> tuple[ExGRPOConfig, Path | None]:
+def start_point(config: ExGRPOConfig, resume: bool, log: Callable[[str], None] = print,
+                start_over: str = "--overwrite") -> tuple[ExGRPOConfig, Path | None]:
     """Decide where the run starts: (config to run, checkpoint to resume from or None).
 
     Fresh (`resume` false): the directory must not hold another run unless logging.overwrite. Resume: the newest
     intact checkpoint (broken newer ones are reported); none at all but a run that died before its first
     checkpoint: start it again from step 0; only broken ones, or a history past a checkpoint that is gone: an
     error. A config that changes the algorithm
-    relative to the checkpoint's is refused with the differing fields; harmless changes are logged.
+    relative to the checkpoint's is refused with the differing fields; harmless changes are logged. `start_over`
+    is how the command that resumes starts a run over, for its errors.
     """
     directory = config.logging.output_dir
     main = launched_rank() == 0  # under data parallelism rank 0 owns the directory; the others only read it
@@ -138,7 +139,7 @@ def start_point(config: ExGRPOConfig, resume: bool, log: Callable[[str], None] =
         raise ConfigError("--resume and logging.overwrite (--overwrite) contradict each other")
     checkpoint = latest_intact_checkpoint(directory)
     if checkpoint is None:
-        return _start_again(config, directory, main, log), None
+        return _start_again(config, directory, main, log, start_over), None
     algorithmic, harmless = config_changes(read_trainer_json(checkpoint)["config"], config.to_dict())
     if algorithmic:
         raise ConfigError(f"cannot resume {checkpoint} with a config that changes the algorithm: "
@@ -148,26 +149,27 @@ def start_point(config: ExGRPOConfig, resume: bool, log: Callable[[str], None] =
     return config, checkpoint
 
 
-def _start_again(config: ExGRPOConfig, directory: str, main: bool, log: Callable[[str], None]) -> ExGRPOConfig:
+def _start_again(config: ExGRPOConfig, directory: str, main: bool, log: Callable[[str], None],
+                 start_over: str) -> ExGRPOConfig:
     """Resume without an intact checkpoint: an error when there were checkpoints (broken or removed ones), a fresh
     start replacing the partial logs of a run that stopped before its first checkpoint."""
     if step_dirs(directory):
         raise CheckpointError(f"{directory}: no intact checkpoint to resume from (see the warnings above); "
-                              "restore one, or start over with --overwrite")
+                              f"restore one, or start over with {start_over}")
     if not holds_a_run(directory):
         return config
     gone = checkpoints_gone(directory)
     if gone:
         raise CheckpointError(f"{directory}: {gone}; resuming would start over and replace that history. Restore a "
-                              "checkpoint, or start over with --overwrite, which deletes the run")
+                              f"checkpoint, or start over with {start_over}, which deletes the run")
     if main:
         log(f"{directory}: the run stopped before its first checkpoint; starting it again from step 0")
     return replace(config, logging=replace(config.logging, overwrite=True))
 
 
 @contextlib.contextmanager
-def prepared_run(config: ExGRPOConfig, resume: bool, log: Callable[[str], None] = print
-                 ) -> Iterator[tuple[Run, Path | None]]:
+def prepared_run(config: ExGRPOConfig, resume: bool, log: Callable[[str], None] = print,
+                 start_over: str = "--overwrite") -> Iterator[tuple[Run, Path | None]]:
     """Lock the run directory, then `start_point` and `build_run`: (the run, the checkpoint to resume from or None).
     The directory stays locked until the block ends, then the engine and grading pool are closed and the lock
     released. Under data parallelism rank 0 owns the directory."""
@@ -176,7 +178,7 @@ def prepared_run(config: ExGRPOConfig, resume: bool, log: Callable[[str], None] 
         if launched_rank() == 0:
             lock_run_directory(config.logging.output_dir)
             cleanup.callback(unlock_run_directory, config.logging.output_dir)
-        config, checkpoint = start_point(config, resume, log)
+        config, checkpoint = start_point(config, resume, log, start_over)
         run = build_run(config, log)
         cleanup.callback(run.close)
         yield run, checkpoint
