@@ -4,10 +4,12 @@
 # conflicting final answers). Labelled without running any grader; the gold answer was kept out of the judgement.
 # Sources: "round-five-samples" (docs/results-round-five/samples.md, every logged sample; id arm/seed/step/n),
 # "premise-check" (bench/results/premise_check_samples.jsonl), "demo-base" (this script: the demo preset's base
-# model, 4 samples at T = 1.0 of its 40 held-out questions, 24 tokens, as the demo's held-out evaluation samples)
-# and "hostile-read" (hand-written cases: correct answers with working after them, and the earlier corrections'
-# wrong answers from src/exgrpo/rewards/graders.py and docs/evaluation.md). Rules: a declared answer wins over a
-# later computation; a completed calculation of the asked problem states its result; cut off = what was stated.
+# model, 4 samples at T = 1.0 of its 40 held-out questions, 24 tokens, as the demo's held-out evaluation samples),
+# "demo-trained" (this script with --model: the demo model after `make demo`'s 15 steps, exported with its LoRA
+# merged, sampled the same way; bench/results/demo_trained_completions.jsonl) and "hostile-read" (hand-written
+# cases: correct answers with working after them, and the earlier corrections' wrong answers from
+# src/exgrpo/rewards/graders.py and docs/evaluation.md). Rules: a declared answer wins over a later computation; a
+# completed calculation of the asked problem states its result; cut off = what was stated.
 """Sample the demo model's completions of the demo's held-out questions and write them as JSONL.
 
 Uses the project's own parts: the demo preset's config, `load_questions` with its prompt suffix, the held-out split

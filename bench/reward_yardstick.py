@@ -3,9 +3,10 @@ negatives) and how many wrong or absent ones it pays (false positives), beside t
 no question, as the released code grades).
 
 bench/reward_labels.jsonl holds the set: real completions of SmolLM2-135M-Instruct (round five's logged samples, the
-premise check's correct completions, the demo model's completions) and hand-written ones from hostile reads, each
-labelled by hand with the number it states as its answer (`stated`, null for none). A completion is correct when
-what it states equals its gold. bench/harvest_completions.py says how the set was built.
+premise check's correct completions, the demo model's completions before and after `make demo`'s training) and
+hand-written ones from hostile reads, each labelled by hand with the number it states as its answer (`stated`, null
+for none). A completion is correct when what it states equals its gold. bench/harvest_completions.py says how the
+set was built.
 
     PYTHONPATH=src HF_HUB_OFFLINE=1 .venv/bin/python bench/reward_yardstick.py [--grades out.json] [--compare old.json]
 
