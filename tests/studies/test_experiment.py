@@ -405,6 +405,7 @@ def test_runs_record_when_and_which_code_ran_them_and_the_report_flags_mixed_cod
 
     checkout = tmp_path / "code"  # a git checkout of this exgrpo, committed: the code a run records
     shutil.copytree(ROOT / "src" / "exgrpo", checkout / "src" / "exgrpo", ignore=shutil.ignore_patterns("__pycache__"))
+    (checkout / ".gitignore").write_text("__pycache__/\n")  # as a real checkout has: the run writes bytecode
     _git(checkout, "init", "-q")
     _git(checkout, "add", ".")
     _git(checkout, "commit", "-qm", "one")
