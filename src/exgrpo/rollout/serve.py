@@ -119,10 +119,20 @@ def exec_server(argv: list[str], env: dict) -> None:
     `vllm_dist_*` files, which it leaves in the temp directory, go into a directory named after this process (the
     server keeps its pid), and the next `exgrpo serve` on the machine removes those of servers that are gone.
     torch's compile cache stays where it is without that directory, shared by every start (a fresh one per server
-    would compile again at each start and leave ~150 MB behind)."""
+    would compile again at each start and leave ~150 MB behind): `share_compile_cache`."""
     compile_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or \
         os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")  # torch's default
     scratch = owned_temp_dir(SCRATCH_PREFIX)
+    share_compile_cache(scratch, compile_cache)
     os.execvpe(argv[0], argv, {**os.environ, **env, "VLLM_RPC_BASE_PATH": scratch, "TMPDIR": scratch,
                                "TORCHINDUCTOR_CACHE_DIR": compile_cache,
                                SERVER_PID_VARIABLE: str(os.getpid())})  # its engine processes die with it
+
+
+def share_compile_cache(scratch: str, compile_cache: str) -> None:
+    """Link `<scratch>/torchinductor_<user>` to the shared compile cache. torch writes its precompiled headers
+    (~150 MB) under `<temp dir>/torchinductor_<user>` whatever TORCHINDUCTOR_CACHE_DIR says (torch 2.13:
+    `torch._inductor.codecache._HEADER_DIR`), and a server's temp dir is its scratch: without the link each server
+    compiled them again and left them there. Removing the scratch removes the link, not the cache."""
+    os.makedirs(compile_cache, exist_ok=True)
+    os.symlink(compile_cache, os.path.join(scratch, f"torchinductor_{getpass.getuser()}"))
