@@ -50,3 +50,27 @@ def test_each_session_is_appended_and_a_fresh_start_clears_them(tmp_path):
     assert holds_a_run(tmp_path) == ["provenance.json"]  # the run's file: --overwrite deletes it with the rest
     clear_run(tmp_path)
     assert read_sessions(tmp_path) == []
+
+
+def test_a_damaged_record_is_refused_naming_the_file_never_extended(tmp_path):
+    """A record that parses but is not sessions (a string, a list, a session without its code) is refused in one
+    line: it was extended ("abc" became "a", "b", "c", then the session) or broke the report with a KeyError."""
+    import pytest
+
+    from exgrpo.errors import RunDirectoryError
+
+    path = tmp_path / "provenance.json"
+    for damaged in ('{"sessions": "abc"}', "[1, 2]", '{"sessions": [{"started": "x"}]}', '{"sessions": {}}',
+                    '{"sessions": [{"started": "x", "ended": null, "code": {"exgrpo": "0", "git": {}}}]}'):
+        path.write_text(damaged)
+        with pytest.raises(RunDirectoryError, match=r"provenance\.json: .*expected \{\"sessions\"") as refused:
+            start_session(tmp_path, 3)
+        assert "\n" not in str(refused.value) and path.read_text() == damaged
+
+
+def test_a_record_deleted_while_the_run_ran_still_gets_the_sessions_end(tmp_path):
+    start_session(tmp_path, 0)
+    (tmp_path / "provenance.json").unlink()
+    end_session(tmp_path, 4, None)
+    (session,) = read_sessions(tmp_path)
+    assert session["started"].startswith("not recorded") and (session["to_step"], session["ended"] > "") == (4, True)

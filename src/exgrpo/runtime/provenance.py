@@ -63,9 +63,28 @@ def read_sessions(run_dir: str | Path) -> list[dict]:
     if not path.exists():
         return []
     try:
-        return json.loads(path.read_text())["sessions"]
+        sessions = json.loads(path.read_text())["sessions"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise RunDirectoryError(f"{path}: unreadable ({e})") from None
+        raise RunDirectoryError(f"{path}: unreadable ({e}); {_EXPECTED}") from None
+    if not isinstance(sessions, list) or not all(_is_session(s) for s in sessions):
+        raise RunDirectoryError(f"{path}: damaged: {_EXPECTED}")
+    return sessions
+
+
+_EXPECTED = ('expected {"sessions": [...]}, each session a mapping with "started", "ended" and "code" (exgrpo\'s '
+             "version and its git state); restore the file, or delete it to record sessions afresh")
+
+
+def _is_session(session) -> bool:
+    """Whether `session` has what the report reads of it: its start and end and its code (`code_label`)."""
+    if not isinstance(session, dict) or not isinstance(session.get("started"), str):
+        return False
+    code = session.get("code")
+    if not isinstance(code, dict) or "exgrpo" not in code or not isinstance(session.get("ended"), (str, type(None))):
+        return False
+    git = code.get("git")
+    return isinstance(git, str) or (isinstance(git, dict) and isinstance(git.get("commit"), str)
+                                    and isinstance(git.get("dirty"), bool))
 
 
 def _write_sessions(run_dir: str | Path, sessions: list[dict]) -> None:
@@ -85,7 +104,9 @@ def start_session(run_dir: str | Path, step: int) -> None:
 
 def end_session(run_dir: str | Path, step: int, stopped_by: str | None) -> None:
     """Record the end of the last session at `step` (`stopped_by`: the signal's name, None when it ended by itself)."""
-    sessions = read_sessions(run_dir)
+    # [] when the file went while the run ran: this session's start is lost, its end and code are still known
+    sessions = read_sessions(run_dir) or [{"started": f"not recorded ({PROVENANCE} went while the run ran)",
+                                           "from_step": None, "host": socket.gethostname(), "code": code_identity()}]
     sessions[-1].update(ended=_now(), to_step=step, stopped_by=stopped_by)
     _write_sessions(run_dir, sessions)
 
