@@ -145,10 +145,19 @@ def test_interrupted_run_resumes_and_report_waits_for_it(tmp_path):
     ({"arms": {"a": {"overrides": ["--train.seed=7"]}}, "baseline": "a"},
      r"arms.a.overrides: '--train.seed=7': the study sets train.seed itself \(each run's seed is one of the arm's"),
     ({"overrides": ["train.seed=7"]}, r"overrides: 'train.seed=7': the study sets train.seed itself"),
+    ({"seeds": [10**23]}, r"train.seed must be in \[0, 2\*\*32 - 1\] \(got 100000000000000000000000\)"),  # a traceback
 ])
 def test_bad_study_files_name_the_key(tmp_path, change, message):
     path = _study(tmp_path, **change)
     with pytest.raises(ConfigError, match=message):
+        load_study(path)
+
+
+def test_two_arms_whose_names_read_the_same_are_refused(tmp_path):
+    """YAML's 1 and "1" are two keys, but one run directory: the second arm's runs resumed the first's."""
+    path = tmp_path / "study.yaml"
+    path.write_text('base: tiny\noutput_dir: runs\nseeds: [1]\narms:\n  1: {}\n  "1": {}\n')
+    with pytest.raises(ConfigError, match="study.yaml: arms: two arms are named '1' .* expected distinct names"):
         load_study(path)
 
 

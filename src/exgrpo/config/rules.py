@@ -290,7 +290,7 @@ def _train_eval_and_logging_rules(cfg):
     yield _positive("train.max_grad_norm", t.max_grad_norm)
     yield _positive("train.skip_grad_norm", t.skip_grad_norm)
     yield _at_least("train.max_skipped_optimizer_steps", t.max_skipped_optimizer_steps, 0)
-    yield _at_least("train.seed", t.seed, 0)
+    yield 0 <= t.seed < 2**32, f"train.seed must be in [0, 2**32 - 1] (got {t.seed})"
     yield _at_least("train.save_every", t.save_every, 0)
     yield _at_least("train.save_total_limit", t.save_total_limit, 1)
     yield _at_least("train.threads", t.threads, 0)

@@ -203,6 +203,9 @@ def load_study(path: str | Path) -> Study:
         spec = spec or {}
         if not isinstance(spec, dict) or set(spec) - _ARM_KEYS:
             raise ConfigError(f"{path}: arms.{name}: expected a mapping with keys among {sorted(_ARM_KEYS)}")
+        if str(name) in {a.name for a in arms}:
+            raise ConfigError(f"{path}: arms: two arms are named {str(name)!r} (as text, which names their run "
+                              "directories); expected distinct names")
         arms.append(Arm(_arm_name(name, f"{path}: arms"), str(spec.get("label", name)),
                         _overrides(spec.get("overrides"), f"{path}: arms.{name}.overrides"),
                         _seeds(spec["seeds"], f"{path}: arms.{name}.seeds") if "seeds" in spec else seeds))
