@@ -228,6 +228,8 @@ STATED_CASES = [
     ("48 + 23 = 71 is the final answer", "71", 1.0),
     ("The answer to 48 + 23 is 71 because 8 + 3 = 11.", "71", 1.0),
     ("The answer is 1,071 since ...", "1071", 1.0),
+    ("The answer is 1,071.", "1071", 1.0),  # a full stop after a thousands comma: it was read as "1" (gold 1071: 0)
+    ("The answer is 1,071.", "1", 0.0),
     ("The answer is 70. No: 8 + 3 = 11, so the answer is 71.", "71", 1.0),  # the last statement
     ("The answer is 70, which is 48 + 23.", "71", 0.0),  # wrong, whatever follows
     ("The answer is 71 = 48 + 23", "48", 0.0),  # the working's numbers are not the answer

@@ -87,8 +87,8 @@ def _plain_text_answer(completion: str, answer_parsed: list, question: str, time
     return answer_parsed
 
 
-#: a number as a completion writes it: "-3", "2.5", "1,000"
-_STATED_NUMBER = r"-?\d{1,3}(?:,\d{3})+(?![\d.])|-?\d+(?:\.\d+)?"
+#: a number as a completion writes it: "-3", "2.5", "1,000" (also before a full stop: "is 1,000.")
+_STATED_NUMBER = r"-?\d{1,3}(?:,\d{3})+(?!\d|\.\d)|-?\d+(?:\.\d+)?"
 #: arithmetic on one line: numbers joined by operators and "=" ("15 - 6 = 9"; "71 = 48 + 23")
 _CHAIN = rf"(?:{_STATED_NUMBER})(?:[ \t]*[-+*/×÷=][ \t]*\(?(?:{_STATED_NUMBER})\)?)*"
 #: what may wrap an answer: markdown bold, LaTeX math delimiters
