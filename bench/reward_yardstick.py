@@ -67,11 +67,23 @@ def misgrades(rows: list[dict], grades: list[dict]) -> list[str]:
     return out
 
 
-def main() -> None:
+def earlier_grades(path: str, parser: argparse.ArgumentParser) -> dict[str, float]:
+    """Each row's training grade in an earlier `--grades` file, by id; a file that is not one is a one-line error."""
+    try:
+        return {g["id"]: g["training"] for g in json.loads(Path(path).read_text())}
+    except OSError as e:
+        parser.error(f"--compare {path}: cannot read it ({e.strerror or e})")
+    except (ValueError, TypeError, KeyError):
+        parser.error(f"--compare {path}: expected an earlier --grades file (a JSON list of {{id, training, "
+                     "released}), got something else")
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--grades", help="write each row's grades to this JSON file")
     parser.add_argument("--compare", help="print the rows whose training grade differs from this --grades file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    before = earlier_grades(args.compare, parser) if args.compare else None  # read before the minutes of grading
     rows = [json.loads(line) for line in LABELS.read_text().splitlines() if line.strip()]
     grades = grade(rows)
     print(f"The training reward and the released reward on {len(rows)} labelled completions ({LABELS.name})\n")
@@ -80,8 +92,7 @@ def main() -> None:
     print(f"\nThe training reward's misgrades ({len(wrong)}):", *wrong, sep="\n  ")
     if args.grades:
         Path(args.grades).write_text(json.dumps(grades, indent=0))
-    if args.compare:
-        before = {g["id"]: g["training"] for g in json.loads(Path(args.compare).read_text())}
+    if before is not None:
         by_id = {r["id"]: r for r in rows}
         flips = [g for g in grades if g["id"] in before and before[g["id"]] != g["training"]]
         print(f"\nFlips against {args.compare} ({len(flips)}):")

@@ -63,3 +63,24 @@ def test_metrics_diff_settings_are_valid_configs(name, tmp_path):
 def test_metrics_diff_tiny_async_runs_the_async_tests_harness(tmp_path):
     script = Path(metrics_diff.SETTINGS["tiny-async"].arguments(ROOT, tmp_path, 5)[0])
     assert script == ROOT / "tests" / "training" / "async_ranks.py" and script.is_file()
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "cannot read it (No such file or directory)"),
+    ("garbage", "expected an earlier --grades file (a JSON list of {id, training, released}), got something else"),
+    ('{"a": 1}', "expected an earlier --grades file"),
+])
+def test_reward_yardstick_refuses_a_compare_file_that_is_not_grades_before_grading(tmp_path, capsys, content,
+                                                                                   message):
+    """It graded every labelled completion first, then ended in a FileNotFoundError or JSONDecodeError traceback."""
+    spec = importlib.util.spec_from_file_location("reward_yardstick", ROOT / "bench" / "reward_yardstick.py")
+    yardstick = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(yardstick)
+    earlier = tmp_path / "grades.json"
+    if content is not None:
+        earlier.write_text(content)
+    with pytest.raises(SystemExit) as exited:
+        yardstick.main(["--compare", str(earlier)])
+    err = capsys.readouterr()
+    assert exited.value.code == 2 and f"error: --compare {earlier}: {message}" in err.err.splitlines()[-1]
+    assert err.out == ""  # refused before the table
