@@ -37,6 +37,8 @@ def table_rows(text: str, source: str) -> list[tuple[str, ...]]:
         cells = tuple(cell.strip() for cell in re.split("[│┃]", line.strip())[1:-1])
         if cells and not cells[0].startswith(IGNORED_ROW):
             rows.append(cells)
+    if not rows:
+        raise TableNotFound(f"{source} holds the title {TITLE!r} but no table rows under it")
     return rows
 
 
@@ -65,6 +67,15 @@ def demo_output() -> str:
     return result.stdout
 
 
+def captured(path: Path) -> str:
+    """The text of --output FILE; bytes that are not UTF-8 are a TableNotFound naming the file."""
+    try:
+        return path.read_text()
+    except UnicodeDecodeError as e:
+        raise TableNotFound(f"--output {path}: not UTF-8 text ({e.reason} at byte {e.start}); expected make demo's "
+                            "captured stdout") from None
+
+
 def show(row: tuple[str, ...] | None) -> str:
     return " │ ".join(row) if row is not None else "(no such row)"
 
@@ -75,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="make demo's captured stdout, instead of running make demo")
     args = parser.parse_args(argv)
     try:
-        printed = args.output.read_text() if args.output else demo_output()
+        printed = captured(args.output) if args.output else demo_output()
         want = table_rows(readme_block((ROOT / "README.md").read_text()), "README.md's block")
         got = table_rows(printed, "make demo's output")
     except (TableNotFound, OSError) as missing:

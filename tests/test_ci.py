@@ -52,3 +52,15 @@ def test_a_missing_row_or_table_fails(tmp_path, capsys):
     assert "make demo: (no such row)" in capsys.readouterr().out
     assert _check(tmp_path, "no table here\n") == 1
     assert "holds no table titled" in capsys.readouterr().err
+
+
+def test_a_title_without_rows_or_a_file_that_is_not_text_is_said(tmp_path, capsys):
+    """An empty table was 'not what make demo prints: update README.md' with every README row missing; bytes that
+    are not UTF-8 ended in a UnicodeDecodeError traceback."""
+    assert _check(tmp_path, f"{check_demo_table.TITLE}\n") == 1
+    assert "holds the title 'ExGRPO demo: held-out sampled accuracy' but no table rows" in capsys.readouterr().err
+    binary = tmp_path / "demo.bin"
+    binary.write_bytes(b"\xff\xfe")
+    assert check_demo_table.main(["--output", str(binary)]) == 1
+    assert capsys.readouterr().err == f"check_demo_table: --output {binary}: not UTF-8 text (invalid start byte at " \
+        "byte 0); expected make demo's captured stdout\n"
