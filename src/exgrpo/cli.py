@@ -24,21 +24,13 @@ from exgrpo.runtime.signals import StopNow, sigterm_stops_at_once
 
 
 def _train(args, overrides) -> int:
-    from exgrpo.config import read_run_config
     from exgrpo.training.launch import prepared_run
     from exgrpo.studies.study import idle_settings
 
     if args.overwrite:
         overrides = overrides + ["logging.overwrite=true"]
     if args.resume and args.resume != "auto":
-        # the run's own resolved config (config.json), unless a config file is given; overrides apply on top
-        run_config = Path(args.resume) / "config.json"
-        if not run_config.is_file():
-            raise ConfigError(f"--resume {args.resume}: no run there (no {run_config})")
-        base = None if args.config else read_run_config(run_config)
-        if base is not None and "logging" in base:
-            base["logging"].pop("overwrite", None)  # an action its start took (stored by exgrpo before 2026-12)
-        config = load_config(args.config, overrides + [f"logging.output_dir={args.resume}"], base=base)
+        config = _resumed_config(args, overrides)
     elif args.config is None:
         raise ConfigError(f"exgrpo train needs --config: a preset ({', '.join(preset_names())}) or a YAML file "
                           "(or --resume RUN_DIR)")
@@ -52,6 +44,28 @@ def _train(args, overrides) -> int:
     for note in idle_settings(config, history):
         _note(note)
     return _stop_code(run.trainer.stopped_by)
+
+
+def _resumed_config(args, overrides):
+    """The config of `--resume RUN_DIR`: the run's own resolved config (config.json), unless a config file is
+    given; overrides apply on top. An error in the stored config names the file."""
+    from exgrpo.config import read_run_config
+
+    run_config = Path(args.resume) / "config.json"
+    if run_config.is_dir():
+        raise ConfigError(f"--resume {args.resume}: {run_config} is a directory; expected the run's config file")
+    if not run_config.is_file():
+        raise ConfigError(f"--resume {args.resume}: no run there (no {run_config})")
+    overrides = overrides + [f"logging.output_dir={args.resume}"]
+    if args.config:
+        return load_config(args.config, overrides)
+    base = read_run_config(run_config)
+    if "logging" in base:
+        base["logging"].pop("overwrite", None)  # an action its start took (stored by exgrpo before 2026-12)
+    try:
+        return load_config(None, overrides, base=base)
+    except ConfigError as e:
+        raise ConfigError(f"{run_config} with the overrides: {e}") from None
 
 
 def _stop_code(signal_name: str | None) -> int:

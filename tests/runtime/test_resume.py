@@ -65,6 +65,19 @@ def test_resume_without_checkpoint_is_an_error(tmp_path):
     assert result.returncode == 2 and "no run there" in result.stderr
 
 
+@pytest.mark.parametrize("stored, message", [
+    ('{"train": {"steps": "many"}}', "config.json with the overrides: train.steps: expected an integer, got 'many'"),
+    ('{"model": {"dtype": "f', "config.json: not valid YAML: found unexpected end of stream (line 1, column 23)"),
+    (None, "config.json is a directory; expected the run's config file"),  # it said "no run there"
+])
+def test_resume_of_a_damaged_config_says_which_file_in_one_line(tmp_path, stored, message):
+    """A wrong field of a stored config.json did not name the file; a truncated one printed PyYAML's six lines."""
+    config = tmp_path / "config.json"
+    config.mkdir() if stored is None else config.write_text(stored)
+    result = run_cli(["train", "--resume", str(tmp_path)])
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+
+
 def test_a_checkpoint_written_before_a_rename_reads_under_the_new_names(tmp_path):
     from exgrpo.runtime.checkpoint import read_trainer_json
 

@@ -181,9 +181,16 @@ def read_yaml(path: Path, what: str):
     try:
         return loader.get_single_data()
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(e)}") from None
     finally:
         loader.dispose()
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """PyYAML's error on one line: what is wrong and where ("found unexpected end of stream (line 4, column 16)")."""
+    mark = getattr(error, "problem_mark", None)
+    problem = " ".join(str(getattr(error, "problem", None) or error).split())
+    return problem + (f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else "")
 
 
 def read_run_config(path: Path) -> dict:
