@@ -235,6 +235,11 @@ STATED_CASES = [
     ("The answer is 71 = 48 + 23", "48", 0.0),  # the working's numbers are not the answer
     ("The answer is 48 + 23", "71", 0.0),  # the question restated, not computed
     ("The answer is 71 É 5, which is exactly 5.", "5", 0.0),  # not a statement: math-verify's reading stands
+    # an answer denied at the end is no answer: math-verify read the denied number and paid it
+    ("The answer is not 71.", "71", 0.0),
+    ("The answer isn't **71**", "71", 0.0),
+    ("48 + 23 = 71 is not the final answer.", "71", 0.0),
+    ("71 is not the answer, the answer is 72", "71", 0.0),
 ]
 
 

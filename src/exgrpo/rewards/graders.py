@@ -75,6 +75,8 @@ def _plain_text_answer(completion: str, answer_parsed: list, question: str, time
     """
     if (stated := stated_answer(completion)) is not None:
         return parse("$" + stated + "$", parsing_timeout=timeout)
+    if _NEGATED_ANSWER.search(completion):
+        return []
     if _only_list_markers(completion, answer_parsed):
         completion = _LIST_MARKER.sub(r"\1", completion)
         answer_parsed = parse(completion, parsing_timeout=timeout)
@@ -101,6 +103,12 @@ _ANSWER_IS = re.compile(rf"\banswer(?:[ \t]+to[ \t]+[^.!?\n]{{1,40}}?)?[ \t]*(?:
 #: "71 is the answer", "48 + 23 = 71 is the final answer"
 _IS_THE_ANSWER = re.compile(rf"(?<![\d.,]){_WRAP_OPEN}(?P<chain>{_CHAIN}){_WRAP_CLOSE}[ \t]+is[ \t]+(?:the|our|my)"
                             rf"[ \t]+(?:final[ \t]+|correct[ \t]+)?answer\b", re.IGNORECASE)
+
+#: a completion that ends by denying its last number is the answer ("The answer is not 5."; "5 is not the answer"):
+#: math-verify reads that number; it states no answer
+_NEGATED_ANSWER = re.compile(rf"(?:\banswer[ \t]+(?:is[ \t]+not|isn't)[ \t]+{_WRAP_OPEN}(?:{_STATED_NUMBER}){_WRAP_CLOSE}"
+                             rf"|(?:{_STATED_NUMBER}){_WRAP_CLOSE}[ \t]+(?:is[ \t]+not|isn't)[ \t]+(?:the|my|our)[ \t]+"
+                             rf"(?:final[ \t]+|correct[ \t]+)?answer)\W*$", re.IGNORECASE)
 
 
 def stated_answer(completion: str) -> str | None:
