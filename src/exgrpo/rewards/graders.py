@@ -106,9 +106,10 @@ _IS_THE_ANSWER = re.compile(rf"(?<![\d.,]){_WRAP_OPEN}(?P<chain>{_CHAIN}){_WRAP_
 
 #: a completion that ends by denying its last number is the answer ("The answer is not 5."; "5 is not the answer"):
 #: math-verify reads that number; it states no answer
-_NEGATED_ANSWER = re.compile(rf"(?:\banswer[ \t]+(?:is[ \t]+not|isn't)[ \t]+{_WRAP_OPEN}(?:{_STATED_NUMBER}){_WRAP_CLOSE}"
-                             rf"|(?:{_STATED_NUMBER}){_WRAP_CLOSE}[ \t]+(?:is[ \t]+not|isn't)[ \t]+(?:the|my|our)[ \t]+"
-                             rf"(?:final[ \t]+|correct[ \t]+)?answer)\W*$", re.IGNORECASE)
+_IS_NOT = r"[ \t]+(?:is[ \t]+not|isn't)[ \t]+"
+_NEGATED_ANSWER = re.compile(rf"(?:\banswer{_IS_NOT}{_WRAP_OPEN}(?:{_STATED_NUMBER}){_WRAP_CLOSE}|(?:{_STATED_NUMBER})"
+                             rf"{_WRAP_CLOSE}{_IS_NOT}(?:the|my|our)[ \t]+(?:final[ \t]+|correct[ \t]+)?answer)\W*$",
+                             re.IGNORECASE)
 
 
 def stated_answer(completion: str) -> str | None:
