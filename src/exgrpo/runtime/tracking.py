@@ -14,6 +14,10 @@ from exgrpo.runtime.atomic import write_text_atomic
 from exgrpo.errors import RunDirectoryError, os_cause
 
 
+#: the run's logs: a line per step (metrics), a few training and held-out completions (samples)
+LOG_FILES = ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl")
+
+
 class Tracker:
     @classmethod
     def from_config(cls, config, start_step: int = 0) -> "Tracker":
@@ -27,9 +31,7 @@ class Tracker:
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.console = Console(stderr=True)
-        self._jsonl = (self.dir / "metrics.jsonl").open("a")
-        self._samples = (self.dir / "samples.jsonl").open("a")
-        self._eval_samples = (self.dir / "eval_samples.jsonl").open("a")
+        self._jsonl, self._samples, self._eval_samples = ((self.dir / name).open("a") for name in LOG_FILES)
         self._write_failed = False
         self._tb = None
         if tensorboard:
@@ -118,7 +120,7 @@ def truncate_metrics(run_dir: str | Path, step: int) -> None:
 
     A last line cut short by a kill is dropped too; an unreadable line elsewhere is an error naming it.
     """
-    for name in ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl"):
+    for name in LOG_FILES:
         path = Path(run_dir) / name
         if not path.is_file():
             continue

@@ -26,6 +26,7 @@ from typing import Callable
 import numpy as np
 
 from exgrpo.runtime.atomic import write_text_atomic
+from exgrpo.runtime.rundir import checkpoints_gone, last_logged_step
 from exgrpo.config import ConfigError, ExGRPOConfig, config_file, load_config, read_yaml
 
 _STUDY_KEYS = {"base", "output_dir", "seeds", "overrides", "baseline", "arms", "registered"}
@@ -241,8 +242,6 @@ def completed_steps(run_dir: Path) -> int:
 def run_state(run_dir: Path, steps: int, start_over: str = "--overwrite") -> tuple[bool, int, str]:
     """Whether the run is complete (`run_complete`), its last checkpoint's step, and what is on disk in words: the
     last checkpoint and the steps logged (metrics.jsonl); `start_over` is the command that starts it over."""
-    from exgrpo.runtime.rundir import checkpoints_gone, last_logged_step
-
     done = completed_steps(run_dir)
     if run_complete(run_dir, steps):
         return True, done, f"complete ({done} steps)"
