@@ -11,7 +11,7 @@ from exgrpo.config import config_from_dict
 from exgrpo.data import PromptEncoder
 from exgrpo.runtime.distributed import Distributed
 from exgrpo.learner.objective import LossSettings, mixed_policy_loss
-from exgrpo.learner.forward import token_logprobs
+from exgrpo.learner.forward import PACKED, PACKED_SEQUENCE_TOKENS, packs_rows, token_logprobs
 from exgrpo.tensors import pack
 from exgrpo.rollout import HFEngine, SamplingSettings
 from exgrpo.runtime.timing import StageTimer
@@ -24,23 +24,42 @@ def _batch(tokenizer, questions, completions):
     return pack([(encode(q), c, None) for q in questions for c in completions], tokenizer.pad_token_id)
 
 
-@pytest.mark.parametrize("rows", [torch.arange(8), torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])],
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("rows", [torch.arange(12), torch.tensor([0, 6, 1, 7, 2, 8, 3, 9, 4, 10, 5, 11])],
                          ids=["shared prompts", "no neighbours share"])
-def test_chunked_head_equals_the_full_logits_path(tiny_policy, questions, rows):
+def test_every_layout_and_head_chunking_gives_the_padded_rows_values_and_gradients(tiny_policy, questions, rows,
+                                                                                   attention):
+    """The reference runs every row on its own, padded; the KV-cache prompt sharing, the packed layout (a prompt
+    then its rows' completions in one sequence, an empty completion among them) and a chunked head must give the
+    same log-probs, entropies and gradients."""
     model, tok = tiny_policy
-    batch = _batch(tok, questions(12)[::6], [[5, 6, 7], [8], [9, 10, 11, 12, 13], [14, 15]])
+    model.set_attn_implementation(attention)
+    assert packs_rows(model)
+    batch = _batch(tok, questions(12)[::6], [[5, 6, 7], [8], [9, 10, 11, 12, 13], [], [14, 15], [16] * 9])
     params = [p for p in model.parameters() if p.requires_grad]
-    results = []
-    for chunk in (None, 3):
-        logp, entropy = token_logprobs(model, batch, 0.7, rows, with_entropy=True, chunk_tokens=chunk)
-        grads = torch.autograd.grad((logp.sum() + entropy.sum()), params)
-        results.append((logp, entropy, grads))
-    (a_lp, a_ent, a_g), (b_lp, b_ent, b_g) = results
-    torch.testing.assert_close(a_lp, b_lp, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(a_ent, b_ent, atol=1e-6, rtol=1e-6)
-    for a, b in zip(a_g, b_g):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
-    assert (a_lp * (1 - batch.completion_mask[rows])).abs().sum() == 0  # padding holds zeros
+
+    def values(sharing, chunk):
+        logp, entropy = token_logprobs(model, batch, 0.7, rows, with_entropy=True, chunk_tokens=chunk,
+                                       prompt_sharing=sharing)
+        return logp, entropy, torch.autograd.grad(logp.sum() + entropy.sum(), params)
+
+    reference = values("never", None)
+    for sharing, chunk in [("auto", None), ("auto", 3), (PACKED, None), (PACKED, 4)]:
+        for a, b in zip(reference[:2] + reference[2], (lambda r: r[:2] + r[2])(values(sharing, chunk))):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=lambda m: f"{sharing} {chunk}: {m}")
+    assert (reference[0] * (1 - batch.completion_mask[rows])).abs().sum() == 0  # padding holds zeros
+
+
+def test_packed_rows_longer_than_a_sequence_split_with_their_prompt_repeated(tiny_policy, questions):
+    """Four 400-token completions of one prompt do not fit one packed sequence (`PACKED_SEQUENCE_TOKENS`): they
+    are split over several, each starting with the prompt, and give the padded layout's values."""
+    model, tok = tiny_policy
+    assert 2 * 400 < PACKED_SEQUENCE_TOKENS < 4 * 400
+    batch = _batch(tok, questions(1), [[5 + i % 7] * 400 for i in range(4)])
+    with torch.no_grad():
+        reference, _ = token_logprobs(model, batch, 1.0, prompt_sharing="never")
+        packed, _ = token_logprobs(model, batch, 1.0, prompt_sharing=PACKED)
+    torch.testing.assert_close(packed, reference, atol=1e-6, rtol=1e-5)
 
 
 def test_micro_batch_plan_respects_the_token_budget():

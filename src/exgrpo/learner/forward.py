@@ -13,12 +13,26 @@ import torch
 
 from exgrpo.tensors import PackedBatch, TrajectoryScore, distinct_rows, pack
 
-#: Whether rows that share a prompt run it once (the learner chooses): (distinct prompts, rows) -> share
+#: Whether rows that share a prompt run it once through its KV cache (the learner chooses): (distinct prompts,
+#: rows) -> share. "packed" runs no cache: see `_packed_final_states`.
 PROMPT_SHARING: dict[str, Callable[[int, int], bool]] = {
     "auto": lambda distinct, rows: distinct < rows,  # when some rows share one
     "always": lambda distinct, rows: True,
     "never": lambda distinct, rows: False,
 }
+PACKED = "packed"
+#: The longest sequence of packed rows, in tokens, unless one prompt and completion is longer: attention over a
+#: packed sequence grows with its square, the linear layers only with its length.
+PACKED_SEQUENCE_TOKENS = 1024
+
+
+def packs_rows(model) -> bool:
+    """Whether `model` can run the packed layout: an attention that takes a 4D mask as given (sdpa, eager) and no
+    sliding-window layers (one mask serves every layer)."""
+    config = _unwrapped(model).config
+    sliding = any(t != "full_attention" for t in getattr(config, "layer_types", None) or []) or \
+        getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    return config._attn_implementation in ("sdpa", "eager") and not sliding
 
 
 def token_logprobs(model, batch: PackedBatch, temperature: float, rows: slice | torch.Tensor = slice(None),
@@ -27,21 +41,28 @@ def token_logprobs(model, batch: PackedBatch, temperature: float, rows: slice | 
     """(n, T) log-probs of the completion tokens of `rows` under `model` at `temperature`, and (n, T) entropies.
 
     Only the columns the rows use are computed (the batch's padding beyond them is cut off). Rows that share a
-    prompt (a group's members, a question's stored candidates) run it once: its KV cache is indexed out to every
-    row, so gradients from all of them flow back through one prompt pass (`prompt_sharing`: "auto" when some rows
-    share one, "always", or "never", e.g. under activation checkpointing, which disables the cache).
+    prompt (a group's members, a question's stored candidates) run it once. With `prompt_sharing` "packed" (where
+    `packs_rows`) the prompt is followed by its rows' completions in one sequence, so no token is padding
+    (`_packed_final_states`); otherwise its KV cache is indexed out to every row, so gradients from all of them flow
+    back through one prompt pass ("auto" when some rows share one, "always", or "never", e.g. under activation
+    checkpointing, which disables the cache).
     `chunk_tokens`: compute the output head, log-softmax and entropy in chunks of that many completion tokens,
     recomputed in backward, so (tokens x vocabulary) logits never exist at once; None computes them in one go.
     Padding positions hold 0: mask them with `batch.completion_mask`.
     """
-    shares = PROMPT_SHARING[prompt_sharing]
     T_full = batch.completion_ids.shape[1]
     input_ids, attention, positions, targets, mask = _trimmed(batch, rows, device)
+    if prompt_sharing == PACKED:
+        hidden = _packed_final_states(model, input_ids, attention, targets, mask)
+        logp, entropy = _flat_head(_output_head(model), hidden, targets, mask, temperature, with_entropy,
+                                   chunk_tokens or len(hidden))
+        return _pad_to(logp, T_full), (_pad_to(entropy, T_full) if with_entropy else None)
+    shares = PROMPT_SHARING[prompt_sharing]
     want_hidden = chunk_tokens is not None
     final = _final_states(model, input_ids, attention, positions, targets, shares, want_hidden)
     if want_hidden:
-        logp, entropy = _chunked_head(_output_head(model), final, targets, mask, temperature, with_entropy,
-                                      chunk_tokens)
+        logp, entropy = _flat_head(_output_head(model), final[mask.bool()], targets, mask, temperature,
+                                   with_entropy, chunk_tokens)
     else:
         logp, entropy = _head_values(final, targets, temperature, with_entropy)
     return _pad_to(logp * mask, T_full), (_pad_to(entropy * mask, T_full) if with_entropy else None)
@@ -72,6 +93,52 @@ def _final_states(model, input_ids, attention, positions, targets, shares: Calla
     if want_hidden:
         return torch.cat([head.hidden_states[-1][owner, -1:], out.hidden_states[-1][:, :-1]], dim=1)
     return torch.cat([head.logits[owner], out.logits[:, :-1]], dim=1)
+
+
+def _packed_final_states(model, input_ids, attention, targets, mask) -> torch.Tensor:
+    """(tokens, hidden) the last-layer states that predict the completion tokens (in `mask`'s order), from sequences
+    that each hold a prompt once and then completions of rows that share it, up to `PACKED_SEQUENCE_TOKENS`:
+    [prompt, completion 1, completion 2, ...]. A completion attends to the prompt and to its own earlier tokens, at
+    the positions it has in its own row, so every value is the padded layout's; only the shorter sequences' tails
+    are padding."""
+    T = targets.shape[1]
+    P = input_ids.shape[1] - T
+    first, owner = distinct_rows(torch.cat([input_ids[:, :P], attention[:, :P]], dim=1))
+    completion_lengths = mask.sum(-1).long().tolist()
+    tokens: list[list[torch.Tensor]] = []  # each sequence's parts: its prompt, then completions
+    segments: list[list[int]] = []  # per token of each sequence: 0 on the prompt, j on its j-th completion
+    positions: list[list[int]] = []
+    predictors: dict[int, list[tuple[int, int]]] = {}  # per row, per token: (sequence, index) of its predictor
+    for d, row in enumerate(first.tolist()):
+        prompt = input_ids[row, P - int(attention[row, :P].sum()):P]
+        p, fresh = len(prompt), True
+        for r in (owner == d).nonzero().flatten().tolist():
+            c = completion_lengths[r]
+            if fresh or len(segments[-1]) + c > max(PACKED_SEQUENCE_TOKENS, p + c):
+                tokens.append([prompt])
+                segments.append([0] * p)
+                positions.append(list(range(p)))
+                fresh = False
+            s, start = len(tokens) - 1, len(segments[-1])
+            predictors[r] = [(s, p - 1)] + [(s, start + t) for t in range(c - 1)] if c else []
+            tokens[s].append(targets[r, :c])
+            segments[s] += [len(tokens[s]) - 1] * c
+            positions[s] += range(p, p + c)
+    L = max(len(seg) for seg in segments)
+    ids = torch.stack([_pad_to(torch.cat(parts)[None], L)[0] for parts in tokens])
+    segment = torch.tensor([seg + [-1] * (L - len(seg)) for seg in segments], device=ids.device)
+    position = torch.tensor([pos + [0] * (L - len(pos)) for pos in positions], device=ids.device)
+    causal = torch.ones(L, L, dtype=torch.bool, device=ids.device).tril()
+    query, key = segment[:, :, None], segment[:, None, :]
+    # padding attends to padding (a row with nothing to attend to would give NaN); it predicts nothing
+    allowed = causal & ((key == 0) | (key == query))
+    if _unwrapped(model).config._attn_implementation == "eager":  # eager adds the mask to the scores
+        allowed = torch.zeros(allowed.shape, device=ids.device).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    out = model(input_ids=ids, attention_mask=allowed[:, None], position_ids=position, use_cache=False,
+                output_hidden_states=True, logits_to_keep=1)
+    index = torch.tensor([s * L + i for r in sorted(predictors) for s, i in predictors[r]], device=ids.device,
+                         dtype=torch.long)
+    return out.hidden_states[-1].flatten(0, 1)[index]
 
 
 def _trimmed(batch: PackedBatch, rows, device):
@@ -110,24 +177,24 @@ def _output_head(model):
     return _unwrapped(model).get_output_embeddings()
 
 
-def _chunked_head(head, hidden: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, temperature: float,
-                  with_entropy: bool, chunk_tokens: int):
-    """`_head_values` of the completion tokens only, `chunk_tokens` at a time; in backward each chunk's logits
-    are recomputed from its hidden states (activation checkpointing of the head)."""
+def _flat_head(head, hidden: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, temperature: float,
+               with_entropy: bool, chunk_tokens: int):
+    """(n, T) log-probs and entropies (0 off `mask`) from `hidden` (tokens, H), the states predicting the (n, T)
+    `targets` where `mask` is 1, in row-major order; the head runs on `chunk_tokens` at a time, each chunk's
+    logits recomputed in backward when there is more than one."""
     valid = mask.bool()
-    h, t = hidden[valid], targets[valid]
-
-    def chunk(h_part, t_part):
-        return _head_values(head(h_part), t_part, temperature, with_entropy)
-
-    parts = [torch.utils.checkpoint.checkpoint(chunk, h[i:i + chunk_tokens], t[i:i + chunk_tokens],
-                                               use_reentrant=False)
-             for i in range(0, len(h), chunk_tokens)]
-    logp = hidden.new_zeros(targets.shape, dtype=torch.float32)
+    t = targets[valid]
+    if chunk_tokens >= len(hidden):
+        parts = [_head_values(head(hidden), t, temperature, with_entropy)]
+    else:
+        parts = [torch.utils.checkpoint.checkpoint(lambda h, y: _head_values(head(h), y, temperature, with_entropy),
+                                                   hidden[i:i + chunk_tokens], t[i:i + chunk_tokens],
+                                                   use_reentrant=False)
+                 for i in range(0, len(hidden), chunk_tokens)]
+    logp = mask.new_zeros(targets.shape, dtype=torch.float32)
     entropy = torch.zeros_like(logp)
-    if parts:
-        logp = logp.masked_scatter(valid, torch.cat([p for p, _ in parts]))
-        entropy = entropy.masked_scatter(valid, torch.cat([e for _, e in parts]))
+    logp = logp.masked_scatter(valid, torch.cat([p for p, _ in parts]))
+    entropy = entropy.masked_scatter(valid, torch.cat([e for _, e in parts]))
     return logp, entropy
 
 

@@ -25,7 +25,7 @@ from exgrpo.runtime.distributed import Distributed
 from exgrpo.errors import TrainingError
 from exgrpo.learner.objective import (LossSettings, importance_weight_stats, merge_stats, mixed_policy_loss,
                                      truncated_importance_weights)
-from exgrpo.learner.forward import candidate_scores, token_logprobs
+from exgrpo.learner.forward import PACKED, candidate_scores, packs_rows, token_logprobs
 from exgrpo.learner.parallel import parallelism
 from exgrpo.records import WARMUP
 from exgrpo.tensors import PackedBatch, TrajectoryScore
@@ -145,8 +145,10 @@ class Learner:
         self._autocast = train.dtype == "bf16" and not self.parallel.casts_parameters
         if self._autocast:
             store_frozen_linear_weights(model, torch.bfloat16)
-        # the KV-cache prompt sharing needs the cache, which activation checkpointing turns off
-        self.prompt_sharing = "never" if train.activation_checkpointing else self.parallel.prompt_sharing
+        # rows that share a prompt are packed after it where the model allows (no padding, one forward); else they
+        # share its KV cache, which activation checkpointing turns off
+        self.prompt_sharing = PACKED if packs_rows(model) else \
+            "never" if train.activation_checkpointing else self.parallel.prompt_sharing
         # with dropout, the training forward is not the sampling policy: behaviour log-probs need their own pass
         self.separate_behaviour_pass = train.mini_batches > 1 or any(
             isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())

@@ -56,10 +56,10 @@ def truncated_importance_weights(old_logp: torch.Tensor, engine_logp: torch.Tens
 def importance_weight_stats(weights: torch.Tensor, mask: torch.Tensor, cap: float) -> dict[str, float]:
     """tis/ess, the normalised effective sample size (sum w)^2 / (n sum w^2) in (0, 1], and tis/truncated_fraction,
     the share of weights at the cap, over the (B, T) `weights` where `mask` (none there: no statistics)."""
-    w = weights[mask.bool()]
+    w = weights[mask.bool()].double()  # in fp32, weights all within 1e-7 of 1 can give an ESS above 1
     if not len(w):
         return {}
-    return {"tis/ess": float(w.sum() ** 2 / (len(w) * (w ** 2).sum())),
+    return {"tis/ess": min(1.0, float(w.sum() ** 2 / (len(w) * (w ** 2).sum()))),
             "tis/truncated_fraction": float((w >= cap).float().mean())}
 
 
