@@ -145,6 +145,7 @@ def test_interrupted_run_resumes_and_report_waits_for_it(tmp_path):
     ({"arms": {"a": {"overrides": ["--train.seed=7"]}}, "baseline": "a"},
      r"arms.a.overrides: '--train.seed=7': the study sets train.seed itself \(each run's seed is one of the arm's"),
     ({"overrides": ["train.seed=7"]}, r"overrides: 'train.seed=7': the study sets train.seed itself"),
+    ({"registered": {"verdict_rule": "votes"}}, r"verdict_rule must be effect or interval, got 'votes'"),
     ({"seeds": [10**23]}, r"train.seed must be in \[0, 2\*\*32 - 1\] \(got 100000000000000000000000\)"),  # a traceback
 ])
 def test_bad_study_files_name_the_key(tmp_path, change, message):
@@ -240,8 +241,27 @@ def test_t_interval_and_the_pre_registered_verdict_rules():
     assert points(-4, -5, -6) == "hurts"
     assert points(-1, -2.5, -4) == "inconclusive at this power"  # mean −2.5, interval reaching past −5
     assert points(-10, 5, 20) == "inconclusive at this power"
-    with pytest.raises(ValueError, match="2 to 20"):
+    with pytest.raises(ValueError, match="2 to 40"):
         t_interval(np.array([0.1]))
+
+
+def test_the_interval_rule_never_says_no_difference_for_an_interval_that_excludes_0():
+    """Round five's flaw: with a ±3 margin, a true +2 with more seeds made "no difference" likely although the
+    interval excluded 0. Under verdict_rule "interval" the interval alone decides: over 24 seeds at SD 2.7 a true
+    +2 is called "helps" 93% of the time and "no difference" only when its interval reaches 0 (6%, not 41%)."""
+    from exgrpo.studies.statistics import no_difference_power, power, verdict
+
+    effect_rule = Registration(effect=0.03, equivalence=0.03)
+    interval_rule = Registration(verdict_rule="interval", effect=0.035, equivalence=0.03)
+    tight = np.array([1.5, 2.0, 2.5, 2.0, 1.8, 2.2]) / 100  # mean +2.0, interval about [+1.6, +2.4]
+    assert verdict(tight, effect_rule) == "no difference"  # the old rule contradicts its own interval
+    assert verdict(tight, interval_rule) == "helps"
+    assert verdict(-tight, interval_rule) == "hurts"
+    assert verdict(np.array([-1.0, 0.5, 1.0, -0.5]) / 100, interval_rule) == "no difference"  # [−1.4, +1.4]
+    assert verdict(np.array([-4.0, 5.0, 1.0, 6.0]) / 100, interval_rule) == "inconclusive at this power"
+    assert no_difference_power(0.02, 0.027, 24, effect_rule) > 0.3
+    assert no_difference_power(0.02, 0.027, 24, interval_rule) < 0.1
+    assert power(0.02, 0.027, 24, interval_rule) > 0.9 > power(0.02, 0.027, 24, effect_rule)
 
 
 def _result(seed: int, rollouts_per_step: list[int], accuracies: dict[int, float], initial: float = 0.1):

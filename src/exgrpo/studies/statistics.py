@@ -10,15 +10,19 @@ import numpy as np
 
 from exgrpo.studies.study import Registration, RunResult
 
-#: Student t's 97.5% quantile by degrees of freedom (seeds − 1), for studies of 2 to 20 seeds
+#: Student t's 97.5% quantile by degrees of freedom (seeds − 1), for studies of 2 to 40 seeds
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093}
+         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+         20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048,
+         29: 2.045, 30: 2.042, 31: 2.040, 32: 2.037, 33: 2.035, 34: 2.032, 35: 2.030, 36: 2.028, 37: 2.026,
+         38: 2.024, 39: 2.023}
+MAX_SEEDS = max(T_975) + 1
 
 
 def t_interval(values: np.ndarray) -> tuple[float, float, float]:
-    """Mean and two-sided 95% t-interval of (n,) `values` (2 ≤ n ≤ 20)."""
-    if not 2 <= len(values) <= 20:
-        raise ValueError(f"a t-interval needs 2 to 20 paired seeds, got {len(values)}")
+    """Mean and two-sided 95% t-interval of (n,) `values` (2 ≤ n ≤ MAX_SEEDS)."""
+    if not 2 <= len(values) <= MAX_SEEDS:
+        raise ValueError(f"a t-interval needs 2 to {MAX_SEEDS} paired seeds, got {len(values)}")
     mean, half = values.mean(), T_975[len(values) - 1] * values.std(ddof=1) / np.sqrt(len(values))
     return float(mean), float(mean - half), float(mean + half)
 
@@ -44,16 +48,20 @@ def paired_difference(runs: list[RunResult], reference: list[RunResult],
 
 
 def verdict(differences: np.ndarray, registered: Registration) -> str:
-    """The registered rules on (n,) paired differences: "helps" when the mean is ≥ `effect` and the 95% interval's
-    low end > 0, "hurts" mirrored, "no difference" when the interval lies within ±`equivalence`."""
+    """The registered rules on (n,) paired differences (`Registration.verdict_rule`): "helps" when the 95%
+    interval's low end is above 0 (under "effect" also the mean ≥ `effect`), "hurts" mirrored, "no difference"
+    when the interval lies within ±`equivalence`, else "inconclusive at this power"."""
     mean, low, high = t_interval(differences)
-    if mean >= registered.effect and low > 0:
-        return "helps"
-    if mean <= -registered.effect and high < 0:
-        return "hurts"
-    if -registered.equivalence <= low and high <= registered.equivalence:
-        return "no difference"
-    return "inconclusive at this power"
+    return str(_verdicts(np.array([mean]), np.array([high - mean]), registered)[0])
+
+
+def _verdicts(mean: np.ndarray, half: np.ndarray, registered: Registration) -> np.ndarray:
+    """The verdict of each study with (k,) means and 95% half-widths."""
+    low, high = mean - half, mean + half
+    needs = registered.effect if registered.verdict_rule == "effect" else 0.0
+    return np.select([(mean >= needs) & (low > 0), (mean <= -needs) & (high < 0),
+                      (low >= -registered.equivalence) & (high <= registered.equivalence)],
+                     ["helps", "hurts", "no difference"], "inconclusive at this power")
 
 
 def _simulated_intervals(true_effect: float, sd: float, seeds: int, trials: int) -> tuple[np.ndarray, np.ndarray]:
@@ -65,15 +73,14 @@ def _simulated_intervals(true_effect: float, sd: float, seeds: int, trials: int)
 
 def power(true_effect: float, sd: float, seeds: int, registered: Registration, trials: int = 20_000) -> float:
     """P(verdict "helps") when the paired differences are N(true_effect, sd²) over `seeds` seeds (simulated)."""
-    mean, half = _simulated_intervals(true_effect, sd, seeds, trials)
-    return float(np.mean((mean >= registered.effect) & (mean - half > 0)))
+    return float(np.mean(_verdicts(*_simulated_intervals(true_effect, sd, seeds, trials), registered) == "helps"))
 
 
 def no_difference_power(true_effect: float, sd: float, seeds: int, registered: Registration,
                         trials: int = 20_000) -> float:
-    """P(verdict "no difference"): the 95% interval within ±`equivalence` (simulated as `power` is)."""
-    mean, half = _simulated_intervals(true_effect, sd, seeds, trials)
-    return float(np.mean((mean - half >= -registered.equivalence) & (mean + half <= registered.equivalence)))
+    """P(verdict "no difference") (simulated as `power` is)."""
+    verdicts = _verdicts(*_simulated_intervals(true_effect, sd, seeds, trials), registered)
+    return float(np.mean(verdicts == "no difference"))
 
 
 def detectable_effect(sd: float, seeds: int, registered: Registration, target: float = 0.8) -> float:

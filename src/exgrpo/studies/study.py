@@ -62,7 +62,12 @@ class Registration:
     primary: "late_mean", the mean held-out accuracy over the run's last `late_evaluations` evaluations (less
         noisy than one evaluation, and it measures what was learnt rather than a late decline), or "final", the
         last evaluation (rounds one to three).
-    effect: "helps" needs a mean difference of at least this and a 95% interval above 0 ("hurts" mirrored).
+    verdict_rule: "effect" (rounds one to five): "helps" needs a mean difference of at least `effect` and a 95%
+        interval above 0 ("hurts" mirrored); "no difference" needs the whole interval inside ±`equivalence`, which
+        an interval that excludes 0 can also be, so the two verdicts could contradict each other. "interval" (round
+        six on): the interval decides, "helps" when it lies above 0 whatever the mean ("hurts" mirrored), so a
+        "no difference" interval always includes 0; `effect` then only sizes the power statement.
+    effect: the difference the study looks for ("effect": the least mean that "helps" needs).
     equivalence: "no difference" needs the whole 95% interval inside ±equivalence; it should be smaller than the
         effect of interest (rounds one to three used 0.05).
     power_sd: the paired SD of the primary difference expected from an earlier round; with it the report states
@@ -71,6 +76,7 @@ class Registration:
 
     primary: str = "late_mean"
     late_evaluations: int = 3
+    verdict_rule: str = "effect"
     effect: float = 0.03
     equivalence: float = 0.03
     power_sd: float | None = None
@@ -81,7 +87,8 @@ class Registration:
         return per_evaluation[-1:] if self.primary == "final" else per_evaluation[1:][-self.late_evaluations:]
 
 
-_REGISTRATION_KEYS = {"primary", "late_evaluations", "effect", "equivalence", "power_sd", "power_effects"}
+_REGISTRATION_KEYS = {"primary", "late_evaluations", "verdict_rule", "effect", "equivalence", "power_sd",
+                      "power_effects"}
 
 
 def _registration(value, where: str) -> Registration:
@@ -95,6 +102,8 @@ def _registration(value, where: str) -> Registration:
     if reg.primary not in ("late_mean", "final") or not (isinstance(reg.late_evaluations, int)
                                                          and reg.late_evaluations >= 1):
         raise ConfigError(f"{where}: primary must be late_mean or final and late_evaluations an integer >= 1")
+    if reg.verdict_rule not in ("effect", "interval"):
+        raise ConfigError(f"{where}: verdict_rule must be effect or interval, got {reg.verdict_rule!r}")
     return reg
 
 
