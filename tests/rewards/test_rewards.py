@@ -240,6 +240,14 @@ STATED_CASES = [
     ("The answer isn't **71**", "71", 0.0),
     ("48 + 23 = 71 is not the final answer.", "71", 0.0),
     ("71 is not the answer, the answer is 72", "71", 0.0),
+    # a question is not a statement; a correction is; a thousands comma with decimals is one number
+    ("The answer is 70? No, 71.", "71", 1.0),
+    ("The answer is 70? No, 71.", "70", 0.0),
+    ("The answer is not 70, it is 71.", "71", 1.0),
+    ("The answer isn't 70 but 71.", "71", 1.0),
+    ("The answer is not 70, it is 71.", "70", 0.0),
+    ("The answer is 1,071.5.", "1071.5", 1.0),
+    ("The answer is 1,071.5", "1", 0.0),
 ]
 
 

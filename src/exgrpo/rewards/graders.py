@@ -66,7 +66,9 @@ def _plain_text_answer(completion: str, answer_parsed: list, question: str, time
     """math-verify's reading of a plain-text answer, where it reads a number the completion does not give as its
     answer, corrected:
     * an answer the completion states in so many words ("The answer is 71, which is 48 + 23."; "71 is the answer
-      since ..."): that number (`stated_answer`), whatever working follows it;
+      since ..."; "The answer is not 70, it is 71."): that number (`stated_answer`), whatever working follows it;
+    * an answer denied at the end ("The answer is not 71."): none; an answer asked ("The answer is 70? No, 71."):
+      what follows it;
     * a list item's number ("gives 6 as final answer\\n3. This is ..."): read again without the list's numbers;
     * the start of an equation ("the final answer is 15 - 6 = 7"): read as the equation's result;
     * a number its sentence goes on computing with ("the final answer follows: multiplying 2 by 3 and adding 5"),
@@ -77,6 +79,8 @@ def _plain_text_answer(completion: str, answer_parsed: list, question: str, time
         return parse("$" + stated + "$", parsing_timeout=timeout)
     if _NEGATED_ANSWER.search(completion):
         return []
+    if asked := list(_QUESTIONED_ANSWER.finditer(completion)):  # "The answer is 70? No, 71.": what follows
+        return parse(completion[asked[-1].end():], parsing_timeout=timeout)
     if _only_list_markers(completion, answer_parsed):
         completion = _LIST_MARKER.sub(r"\1", completion)
         answer_parsed = parse(completion, parsing_timeout=timeout)
@@ -89,20 +93,30 @@ def _plain_text_answer(completion: str, answer_parsed: list, question: str, time
     return answer_parsed
 
 
-#: a number as a completion writes it: "-3", "2.5", "1,000" (also before a full stop: "is 1,000.")
-_STATED_NUMBER = r"-?\d{1,3}(?:,\d{3})+(?!\d|\.\d)|-?\d+(?:\.\d+)?"
+#: a number as a completion writes it: "-3", "2.5", "1,000", "1,000.5" (also before a full stop: "is 1,000.")
+_STATED_NUMBER = r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?(?!\d)|-?\d+(?:\.\d+)?"
 #: arithmetic on one line: numbers joined by operators and "=" ("15 - 6 = 9"; "71 = 48 + 23")
 _CHAIN = rf"(?:{_STATED_NUMBER})(?:[ \t]*[-+*/×÷=][ \t]*\(?(?:{_STATED_NUMBER})\)?)*"
 #: what may wrap an answer: markdown bold, LaTeX math delimiters
 _WRAP_OPEN, _WRAP_CLOSE = r"(?:\*\*|\$|\\\(|\\\[)?", r"(?:\*\*|\$|\\\)|\\\])?"
-#: what may follow a stated answer: the end, punctuation, a bracket, or a word that gives the working
-_STATEMENT_END = r"(?=\s*(?:$|[.,;:!?()\n]|(?:which|since|because|as|from|by|given|so|after)\b))"
+#: what may follow a stated answer: the end, punctuation, a bracket, or a word that gives the working (a question
+#: mark makes it a question: "The answer is 5? No, 6.")
+_STATEMENT_END = r"(?=\s*(?:$|[.,;:!()\n]|(?:which|since|because|as|from|by|given|so|after)\b))"
 #: "the answer is 71", "Answer: 71", "the answer to 48 + 23 is 71", "the final answer equals 71"
 _ANSWER_IS = re.compile(rf"\banswer(?:[ \t]+to[ \t]+[^.!?\n]{{1,40}}?)?[ \t]*(?:is|equals|=|:)[ \t]*:?\s*"
                         rf"{_WRAP_OPEN}[ \t]*(?P<chain>{_CHAIN}){_WRAP_CLOSE}{_STATEMENT_END}", re.IGNORECASE)
 #: "71 is the answer", "48 + 23 = 71 is the final answer"
 _IS_THE_ANSWER = re.compile(rf"(?<![\d.,]){_WRAP_OPEN}(?P<chain>{_CHAIN}){_WRAP_CLOSE}[ \t]+is[ \t]+(?:the|our|my)"
                             rf"[ \t]+(?:final[ \t]+|correct[ \t]+)?answer\b", re.IGNORECASE)
+
+#: "the answer is not 70, it is 71", "the answer isn't 70 but 71": the correction states the answer
+_CORRECTED_ANSWER = re.compile(rf"\banswer[ \t]+(?:is[ \t]+not|isn't)[ \t]+{_WRAP_OPEN}(?:{_STATED_NUMBER}){_WRAP_CLOSE}"
+                               rf"[ \t]*[,;]?[ \t]*(?:but[ \t]+)?(?:it[ \t]+is[ \t]+|it's[ \t]+)?{_WRAP_OPEN}[ \t]*"
+                               rf"(?P<chain>{_CHAIN}){_WRAP_CLOSE}{_STATEMENT_END}", re.IGNORECASE)
+
+#: an answer asked, not stated ("The answer is 70? No, 71."): math-verify reads the asked number
+_QUESTIONED_ANSWER = re.compile(rf"\banswer[ \t]*(?:is|equals|=|:)[ \t]*{_WRAP_OPEN}[ \t]*(?:{_STATED_NUMBER})"
+                                rf"{_WRAP_CLOSE}[ \t]*\?", re.IGNORECASE)
 
 #: a completion that ends by denying its last number is the answer ("The answer is not 5."; "5 is not the answer"):
 #: math-verify reads that number; it states no answer
@@ -119,8 +133,8 @@ def stated_answer(completion: str) -> str | None:
     number is the answer ("71 = 48 + 23" -> "71"); arithmetic with no such side ("the answer is 48 + 23") states
     none. Working may follow the answer after punctuation or a word such as "which", "since", "as"; anything else
     after the number ("the answer is 2 É 5") makes it no statement."""
-    statements = sorted([*_ANSWER_IS.finditer(completion), *_IS_THE_ANSWER.finditer(completion)],
-                        key=lambda m: m.start())
+    statements = sorted([*_ANSWER_IS.finditer(completion), *_IS_THE_ANSWER.finditer(completion),
+                         *_CORRECTED_ANSWER.finditer(completion)], key=lambda m: m.start())
     for statement in reversed(statements):
         sides = [side.strip() for side in statement.group("chain").split("=")]
         numbers = [side for side in sides if re.fullmatch(_STATED_NUMBER, side)]
