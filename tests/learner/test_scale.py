@@ -11,7 +11,7 @@ from exgrpo.config import config_from_dict
 from exgrpo.data import PromptEncoder
 from exgrpo.runtime.distributed import Distributed
 from exgrpo.learner.objective import LossSettings, mixed_policy_loss
-from exgrpo.learner.forward import PACKED, PACKED_SEQUENCE_TOKENS, packs_rows, token_logprobs
+from exgrpo.learner.forward import PACKED, PACKED_SEQUENCE_TOKENS, pack_rows, packs_rows, token_logprobs
 from exgrpo.tensors import pack
 from exgrpo.rollout import HFEngine, SamplingSettings
 from exgrpo.runtime.timing import StageTimer
@@ -48,6 +48,22 @@ def test_every_layout_and_head_chunking_gives_the_padded_rows_values_and_gradien
         for a, b in zip(reference[:2] + reference[2], (lambda r: r[:2] + r[2])(values(sharing, chunk))):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=lambda m: f"{sharing} {chunk}: {m}")
     assert (reference[0] * (1 - batch.completion_mask[rows])).abs().sum() == 0  # padding holds zeros
+
+
+def test_packed_layout_holds_each_prompt_once_then_its_rows_completions():
+    """Rows 0 and 2 share prompt [7, 8]; row 1 has prompt [9] and an empty completion. Sequence 0 is [7, 8, 1, 2, 3]
+    (row 0's completion [1, 2], row 2's [3]); each completion sees the prompt and itself only."""
+    batch = pack([([7, 8], [1, 2], None), ([9], [], None), ([7, 8], [3], None)], pad_id=0)
+    packed = pack_rows(batch.input_ids, batch.attention_mask, batch.completion_ids, batch.completion_mask)
+    assert packed.input_ids.tolist() == [[7, 8, 1, 2, 3], [9, 0, 0, 0, 0]]
+    assert packed.position_ids[0].tolist() == [0, 1, 2, 3, 2]  # row 2's completion starts at its own position 2
+    assert packed.allowed[0, 0, 4].tolist() == [True, True, False, False, True]  # not row 0's completion
+    assert packed.allowed[0, 0, 3].tolist() == [True, True, True, True, False]
+    # the states predicting row 0's tokens (the prompt's last, then its own first) and row 2's (the prompt's last)
+    assert packed.predictors.tolist() == [1, 2, 1]
+    split = pack_rows(batch.input_ids, batch.attention_mask, batch.completion_ids, batch.completion_mask,
+                      max_tokens=4)
+    assert split.input_ids.tolist() == [[7, 8, 1, 2], [7, 8, 3, 0], [9, 0, 0, 0]]  # the prompt again
 
 
 def test_packed_rows_longer_than_a_sequence_split_with_their_prompt_repeated(tiny_policy, questions):

@@ -7,6 +7,7 @@ Shapes: N sequences; P the padded prompt width; T the padded completion width.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -95,12 +96,26 @@ def _final_states(model, input_ids, attention, positions, targets, shares: Calla
     return torch.cat([head.logits[owner], out.logits[:, :-1]], dim=1)
 
 
-def _packed_final_states(model, input_ids, attention, targets, mask) -> torch.Tensor:
-    """(tokens, hidden) the last-layer states that predict the completion tokens (in `mask`'s order), from sequences
-    that each hold a prompt once and then completions of rows that share it, up to `PACKED_SEQUENCE_TOKENS`:
-    [prompt, completion 1, completion 2, ...]. A completion attends to the prompt and to its own earlier tokens, at
-    the positions it has in its own row, so every value is the padded layout's; only the shorter sequences' tails
-    are padding."""
+@dataclass
+class PackedRows:
+    """Rows laid out as S sequences of L tokens, each a prompt once and then completions of rows that share it.
+
+    input_ids, position_ids: (S, L); each completion's positions are those it has in its own row.
+    allowed: (S, 1, L, L) bool, True where a query token attends to a key: a completion to the prompt and to its
+        own earlier tokens; padding to padding (a token with nothing to attend to would give NaN).
+    predictors: (tokens,) the index in the flattened (S * L) sequences of the state predicting each completion
+        token, in row-major order of the rows' completion masks.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    allowed: torch.Tensor
+    predictors: torch.Tensor
+
+
+def pack_rows(input_ids, attention, targets, mask, max_tokens: int = PACKED_SEQUENCE_TOKENS) -> PackedRows:
+    """The packed layout of n rows (trimmed: (n, P + T) ids and attention, (n, T) targets and mask): a sequence
+    holds up to `max_tokens` tokens, or one prompt and one completion where that is longer."""
     T = targets.shape[1]
     P = input_ids.shape[1] - T
     first, owner = distinct_rows(torch.cat([input_ids[:, :P], attention[:, :P]], dim=1))
@@ -114,7 +129,7 @@ def _packed_final_states(model, input_ids, attention, targets, mask) -> torch.Te
         p, fresh = len(prompt), True
         for r in (owner == d).nonzero().flatten().tolist():
             c = completion_lengths[r]
-            if fresh or len(segments[-1]) + c > max(PACKED_SEQUENCE_TOKENS, p + c):
+            if fresh or len(segments[-1]) + c > max(max_tokens, p + c):
                 tokens.append([prompt])
                 segments.append([0] * p)
                 positions.append(list(range(p)))
@@ -125,20 +140,29 @@ def _packed_final_states(model, input_ids, attention, targets, mask) -> torch.Te
             segments[s] += [len(tokens[s]) - 1] * c
             positions[s] += range(p, p + c)
     L = max(len(seg) for seg in segments)
-    ids = torch.stack([_pad_to(torch.cat(parts)[None], L)[0] for parts in tokens])
-    segment = torch.tensor([seg + [-1] * (L - len(seg)) for seg in segments], device=ids.device)
-    position = torch.tensor([pos + [0] * (L - len(pos)) for pos in positions], device=ids.device)
-    causal = torch.ones(L, L, dtype=torch.bool, device=ids.device).tril()
+    device = input_ids.device
+    segment = torch.tensor([seg + [-1] * (L - len(seg)) for seg in segments], device=device)
     query, key = segment[:, :, None], segment[:, None, :]
-    # padding attends to padding (a row with nothing to attend to would give NaN); it predicts nothing
-    allowed = causal & ((key == 0) | (key == query))
+    causal = torch.ones(L, L, dtype=torch.bool, device=device).tril()
+    return PackedRows(
+        torch.stack([_pad_to(torch.cat(parts)[None], L)[0] for parts in tokens]),
+        torch.tensor([pos + [0] * (L - len(pos)) for pos in positions], device=device),
+        (causal & ((key == 0) | (key == query)))[:, None],
+        torch.tensor([s * L + i for r in sorted(predictors) for s, i in predictors[r]], device=device,
+                     dtype=torch.long))
+
+
+def _packed_final_states(model, input_ids, attention, targets, mask) -> torch.Tensor:
+    """(tokens, hidden) the last-layer states that predict the completion tokens (in `mask`'s order), from the
+    packed layout (`pack_rows`): every value is the padded layout's."""
+    packed = pack_rows(input_ids, attention, targets, mask)
+    allowed = packed.allowed
     if _unwrapped(model).config._attn_implementation == "eager":  # eager adds the mask to the scores
-        allowed = torch.zeros(allowed.shape, device=ids.device).masked_fill(~allowed, torch.finfo(torch.float32).min)
-    out = model(input_ids=ids, attention_mask=allowed[:, None], position_ids=position, use_cache=False,
-                output_hidden_states=True, logits_to_keep=1)
-    index = torch.tensor([s * L + i for r in sorted(predictors) for s, i in predictors[r]], device=ids.device,
-                         dtype=torch.long)
-    return out.hidden_states[-1].flatten(0, 1)[index]
+        allowed = torch.zeros(allowed.shape, device=allowed.device).masked_fill(~allowed,
+                                                                                torch.finfo(torch.float32).min)
+    out = model(input_ids=packed.input_ids, attention_mask=allowed, position_ids=packed.position_ids,
+                use_cache=False, output_hidden_states=True, logits_to_keep=1)
+    return out.hidden_states[-1].flatten(0, 1)[packed.predictors]
 
 
 def _trimmed(batch: PackedBatch, rows, device):
