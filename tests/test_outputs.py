@@ -12,14 +12,17 @@ from conftest import run_cli
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from exgrpo.models import load_policy
+from transformers.utils import logging as transformers_logging
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--config", str(ROOT / "configs" / "tiny.yaml"), "logging.progress=false", "train.threads=1"]
 
 
 def _train(run_dir, *extra):
+    transformers_logging.enable_progress_bar()  # as a fresh process starts
     result = run_cli(["train", *TINY, "train.steps=1", f"logging.output_dir={run_dir}", *extra])
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "Writing model shards" not in result.stderr  # logging.progress=false: transformers' bars off too
     return run_dir / "checkpoints" / "step-000001"
 
 

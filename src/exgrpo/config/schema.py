@@ -361,7 +361,7 @@ class LoggingConfig:
     sample_every: int = 10
     """Log example completions every N steps (0: never)."""
     progress: bool = True
-    """Show a progress bar on stderr."""
+    """Show a progress bar on stderr (false: none, nor transformers' bars for loading and saving weights)."""
 
 
 @dataclass

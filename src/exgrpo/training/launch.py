@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
+from transformers.utils import logging as transformers_logging
 
 from exgrpo.runtime.checkpoint import latest_intact_checkpoint, read_trainer_json, step_dirs
 from exgrpo.config import ConfigError, ExGRPOConfig, config_changes
@@ -72,6 +73,8 @@ def build_run(config: ExGRPOConfig, log: Callable[[str], None] = print) -> Run:
                                              c.data.prompt_suffix)
     _refuse_async_without_its_engine(c)
     require_engine(c.rollout.engine)  # before the model loads
+    if not c.logging.progress:  # nor transformers' bars (loading weights, writing checkpoint shards)
+        transformers_logging.disable_progress_bar()
     model, tokenizer = load_policy(c.model.name, dtype=c.model.dtype, lora=c.model.lora)
     pool = GradingPool(num_workers=c.reward.workers, timeout=c.reward.timeout)
     reward_funcs = build_reward_funcs(c, pool)
