@@ -15,7 +15,7 @@ import torch
 from exgrpo.tensors import PackedBatch, TrajectoryScore, distinct_rows, pack
 
 #: Whether rows that share a prompt run it once through its KV cache (the learner chooses): (distinct prompts,
-#: rows) -> share. "packed" runs no cache: see `_packed_final_states`.
+#: rows) -> share. "packed" runs no cache: see `pack_rows`.
 PROMPT_SHARING: dict[str, Callable[[int, int], bool]] = {
     "auto": lambda distinct, rows: distinct < rows,  # when some rows share one
     "always": lambda distinct, rows: True,
@@ -44,7 +44,7 @@ def token_logprobs(model, batch: PackedBatch, temperature: float, rows: slice | 
     Only the columns the rows use are computed (the batch's padding beyond them is cut off). Rows that share a
     prompt (a group's members, a question's stored candidates) run it once. With `prompt_sharing` "packed" (where
     `packs_rows`) the prompt is followed by its rows' completions in one sequence, so no token is padding
-    (`_packed_final_states`); otherwise its KV cache is indexed out to every row, so gradients from all of them flow
+    (`pack_rows`); otherwise its KV cache is indexed out to every row, so gradients from all of them flow
     back through one prompt pass ("auto" when some rows share one, "always", or "never", e.g. under activation
     checkpointing, which disables the cache).
     `chunk_tokens`: compute the output head, log-softmax and entropy in chunks of that many completion tokens,
