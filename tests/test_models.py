@@ -16,6 +16,7 @@ import torch  # noqa: E402
 from exgrpo import models  # noqa: E402
 from exgrpo.config import LoraConfig
 from exgrpo.models import PRESETS, PolicyNotFoundError, load_policy, save_policy  # noqa: E402
+from exgrpo.models import gguf as gguf_presets  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
@@ -248,7 +249,7 @@ def test_smollm2_converts_once_then_loads_from_cache(smollm2, monkeypatch):
     def no_gguf(*args, **kwargs):
         raise AssertionError("the GGUF must not be read again once the cache exists")
 
-    monkeypatch.setattr(models, "_convert_smollm2_gguf", no_gguf)
+    monkeypatch.setattr(gguf_presets, "_convert_smollm2_gguf", no_gguf)
     model, tok = load_policy("smollm2-135m-instruct", cache_dir=str(cache))
     assert model.config.tie_word_embeddings
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
