@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -332,9 +333,11 @@ class Learner:
         return loss.item(), stats
 
     def _optimizer_step(self, has_signal: bool) -> float:
-        """Applies the accumulated gradients unless skipped; `has_signal`: some advantage of the mini-batch is not 0."""
+        """Applies the accumulated gradients unless skipped; `has_signal`: some advantage of the mini-batch is not 0.
+        A skipped step still advances the learning-rate schedule (the schedule counts optimizer steps planned)."""
         norm = self.parallel.clip_gradients(self.params, self.train.max_grad_norm)
         applied = math.isfinite(norm) and norm <= self.train.skip_grad_norm
+        stepped = False
         if not has_signal and self.train.zero_advantage_steps == "skip":
             self.skipped_zero_advantage_steps += 1
         elif not applied:
@@ -345,11 +348,15 @@ class Learner:
                                     f"than train.max_skipped_optimizer_steps {self.train.max_skipped_optimizer_steps}")
         else:
             self.optimizer.step()
+            stepped = True
             if not self.parallel.all_finite(self.params):
                 raise TrainingError(f"the weights are not finite after an optimizer step (learning rate "
                                     f"{self.learning_rate:g}); the last checkpoint is the last good state")
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        with warnings.catch_warnings():
+            if not stepped:  # torch warns of a schedule stepped before the optimizer: here that is the intent
+                warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before")
+            self.scheduler.step()
         self.optimizer_steps += 1
         return norm
 
