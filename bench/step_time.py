@@ -33,10 +33,12 @@ how many questions were replayed.
 
 from __future__ import annotations
 
+import atexit
 import argparse
 import json
 import logging
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -217,6 +219,7 @@ def main() -> None:
     pool = GradingPool(num_workers=2, timeout=5.0) if preset["reward"] == "math" else None
     reward = make_math_reward(pool) if pool is not None else lowercase_start
     workdir = tempfile.mkdtemp(prefix="exgrpo-bench-")
+    atexit.register(shutil.rmtree, workdir, ignore_errors=True)
     runners = []
     if "grpo" in args.trainers:
         runners.append(ExgrpoRunner("grpo", preset, questions, reward, 0.0, args.threads, workdir))
