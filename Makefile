@@ -6,7 +6,8 @@ STAMP := $(VENV)/.installed
 UV := $(VENV)/bin/uv
 # uv installs the same pinned versions as pip, several times faster. It does not read pip's configuration: the
 # find-links pip is configured with (where a machine keeps local wheels, such as its CPU torch) are passed on.
-UV_INSTALL = $(UV) pip install --quiet \
+# Its build of the editable package leaves a lock file in its temp dir (uv-setuptools-*.lock): .venv serves as one.
+UV_INSTALL = env TMPDIR=$(CURDIR)/$(VENV) $(UV) pip install --quiet \
 	$(addprefix --find-links ,$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 VLLM_VENV := .venv-vllm
 # the tests that need vLLM (test_servers.py is heavy: it starts two `vllm serve` servers)
