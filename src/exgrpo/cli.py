@@ -25,7 +25,7 @@ from exgrpo.runtime.signals import StopNow, sigterm_stops_at_once
 
 def _train(args, overrides) -> int:
     from exgrpo.training.launch import prepared_run
-    from exgrpo.studies.study import idle_settings
+    from exgrpo.training.history import idle_settings
 
     if args.overwrite:
         overrides = overrides + ["logging.overwrite=true"]
@@ -80,7 +80,7 @@ def _note(message: str) -> None:
 def _demo(args, overrides) -> int:
     """Held-out accuracy before, ExGRPO training (with periodic held-out evaluation), after, a table and a report."""
     from exgrpo.studies.demo_report import before_after_rows, write_report
-    from exgrpo.studies.study import mixed_phase_start
+    from exgrpo.training.history import mixed_phase_start
     from exgrpo.training.launch import prepared_run
 
     console = Console()

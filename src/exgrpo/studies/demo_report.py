@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from exgrpo.evaluation.heldout import Accuracy  # noqa: E402
-from exgrpo.studies.study import mixed_phase_start  # noqa: E402
+from exgrpo.training.history import mixed_phase_start  # noqa: E402
 
 
 def before_after_rows(before: Accuracy, after: Accuracy) -> list[tuple[str, str]]:

@@ -17,7 +17,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from exgrpo.config import DataConfig  # noqa: E402
 from exgrpo.errors import ExgrpoWarning  # noqa: E402
 from exgrpo.runtime.provenance import code_label, read_sessions  # noqa: E402
-from exgrpo.studies.study import Registration, RunResult, Study, load_results, mixed_phase_start  # noqa: E402
+from exgrpo.studies.study import Registration, RunResult, Study, load_results  # noqa: E402
+from exgrpo.training.history import mixed_phase_start  # noqa: E402
 from exgrpo.studies.statistics import paired_difference, power_statement, t_interval, verdict  # noqa: E402
 from exgrpo.studies.working import classify  # noqa: E402
 
