@@ -12,6 +12,9 @@ A study file (YAML; paths relative to it)::
       grpo: {label: "GRPO", overrides: [experience.ratio=0]}
       exgrpo: {label: "ExGRPO"}
       select_random: {label: "random selection", overrides: [experience.selection_metric=random], seeds: [1, 2]}
+    registered:                         # the verdict rules and power statement, fixed before the runs (Registration)
+      {primary: late_mean, late_evaluations: 3, verdict_rule: interval, effect: 0.035, equivalence: 0.02,
+       power_sd: 0.027, power_effects: [0.02, 0.035]}
 """
 
 from __future__ import annotations
