@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from exgrpo.config import load_config
@@ -84,3 +85,23 @@ def test_reward_yardstick_refuses_a_compare_file_that_is_not_grades_before_gradi
     err = capsys.readouterr()
     assert exited.value.code == 2 and f"error: --compare {earlier}: {message}" in err.err.splitlines()[-1]
     assert err.out == ""  # refused before the table
+
+
+def test_the_pooled_rounds_pair_each_rounds_seeds_and_reproduce_round_five(tmp_path):
+    """Round five's own curves give its reported +1.99 [+0.27, +3.71]; a second round's pairs join the same
+    interval, and a seed run by one arm only is no pair."""
+    spec = importlib.util.spec_from_file_location("pooled_rounds", ROOT / "bench" / "pooled_rounds.py")
+    pooled = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pooled)
+    five = json.loads((ROOT / "docs" / "results-round-five" / "curves.json").read_text())
+    d = pooled.late_mean_differences(five, "exgrpo", "grpo")
+    assert len(d) == 12 and round(100 * float(np.mean(d)), 2) == 1.99
+    rows = lambda *acc: [[10 * i, 100 * i, a] for i, a in enumerate(acc)]  # noqa: E731
+    six = {"grpo/seed-1": rows(0.0, 0.1, 0.1, 0.1), "exgrpo/seed-1": rows(0.0, 0.1, 0.2, 0.3),
+           "exgrpo/seed-2": rows(0.0, 0.5, 0.5, 0.5)}  # seed 2 has no GRPO run
+    assert pooled.late_mean_differences(six, "exgrpo", "grpo") == pytest.approx([0.1])
+    for name, curves in (("five", five), ("six", six)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(curves))
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "pooled_rounds.py"), str(tmp_path / "five.json"),
+                          str(tmp_path / "six.json")], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert "pooled, 13 pairs: exgrpo − grpo" in out.stdout
