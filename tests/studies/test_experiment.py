@@ -80,6 +80,13 @@ def test_study_runs_every_arm_and_seed_once_and_reports(tmp_path):
     refused = report("exgrpo", "uniform")
     assert refused.returncode == 2 and "leaves out grpo" in refused.stderr
 
+    assert '"helps" when the mean is ≥ +3.0 and the 95% interval is above 0' in text  # the default rule, said
+    spec = json.loads((tmp_path / "study.yaml").read_text())
+    (tmp_path / "study.yaml").write_text(json.dumps({**spec, "registered": {"verdict_rule": "interval"}}))
+    assert report("grpo", "exgrpo").returncode == 0
+    interval_text = (tmp_path / "some" / "report.md").read_text()
+    assert '"helps" when the 95% interval is above 0, whatever the mean' in interval_text
+
 
 def test_a_run_that_retires_every_question_is_complete_and_evaluated_at_its_last_step(tmp_path):
     path = _study(tmp_path, arms={"grpo": {"overrides": ["experience.ratio=0"]}}, seeds=[1], overrides=[

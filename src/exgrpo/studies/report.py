@@ -530,10 +530,16 @@ def _verdict_rules(reg: Registration) -> str:
     """How the paired differences are computed and judged, as registered."""
     return (f"The registered primary metric: {_primary_text(reg)}. Equal rollouts: the reference arm's accuracy read "
             "at the arm's cumulative sampled rollouts of those evaluations, by linear interpolation between the "
-            "reference's own evaluations. Verdict (registered): \"helps\" when the mean is ≥ "
-            f"{100 * reg.effect:+.1f} and the 95% interval is above 0, \"hurts\" mirrored, \"no difference\" when "
-            f"the interval lies within ±{100 * reg.equivalence:.1f}; the registration says which difference is "
-            "primary.")
+            f"reference's own evaluations. Verdict (registered): {_helps_text(reg)}, \"hurts\" mirrored, \"no "
+            f"difference\" when the interval lies within ±{100 * reg.equivalence:.1f}; the registration says which "
+            "difference is primary.")
+
+
+def _helps_text(reg: Registration) -> str:
+    if reg.verdict_rule == "interval":
+        return ("\"helps\" when the 95% interval is above 0, whatever the mean (its size is read against "
+                f"{100 * reg.effect:+.1f})")
+    return f"\"helps\" when the mean is ≥ {100 * reg.effect:+.1f} and the 95% interval is above 0"
 
 
 def write_study_report(study: Study, out: str | Path, main_arms: list[str], only: list[str] | None = None) -> Path:
