@@ -298,6 +298,27 @@ def test_equal_rollouts_are_read_by_interpolation_and_the_primary_metric_is_regi
     assert np.isnan(paired_difference([more], [reference], final).at_equal_rollouts[0])
 
 
+def test_the_paired_table_adds_a_row_without_the_seeds_where_the_replaying_arm_never_replayed():
+    """Round six's registered secondary: an ExGRPO run with no success is its GRPO run (difference 0 by
+    construction); the second row leaves such seeds out."""
+    from exgrpo.studies.report import paired_table
+
+    def run(arm, ratio, seed, late, mixed):
+        history = [{"step": s, "phase": "mixed" if mixed and s > 1 else "warmup", "generation/rollouts": 10,
+                    "experience/replayed": 0, **({"eval/accuracy": late} if s in (4, 5, 6) else {})}
+                   for s in range(1, 7)]
+        config = config_from_dict({"experience": {"ratio": ratio}})
+        return RunResult(Arm(arm, arm.upper(), (), (seed,)), seed, config, history, {"accuracy": 0.0})
+
+    arms = {"grpo": [run("grpo", 0.0, s, 0.10, False) for s in (1, 2, 3, 4)],
+            "exgrpo": [run("exgrpo", 0.5, 1, 0.13, True), run("exgrpo", 0.5, 2, 0.14, True),
+                       run("exgrpo", 0.5, 3, 0.12, True), run("exgrpo", 0.5, 4, 0.10, False)]}
+    rows = paired_table(arms, [("exgrpo", "grpo")], Registration(primary="late_mean", late_evaluations=3))
+    assert rows[2].startswith("| EXGRPO − GRPO | 1, 2, 3, 4 | +2.2 [")
+    assert rows[3].startswith("| EXGRPO − GRPO, seeds where it replayed | 1, 2, 3 | +3.0 [")
+    assert len(paired_table({**arms, "exgrpo": arms["exgrpo"][:3]}, [("exgrpo", "grpo")], Registration())) == 3
+
+
 def test_the_registered_power_statement_reproduces_round_three():
     """Round three's figures (issue #37): a paired SD of 8.3 points over 5 seeds gives P("helps") ≈ 11% for a true
     +3.5 and ≈ 35% for +7.6, and 80% power only at about +14."""

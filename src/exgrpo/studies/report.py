@@ -206,16 +206,20 @@ def paired_table(arms: dict[str, list[RunResult]], comparisons: list[tuple[str, 
                  registered: Registration) -> list[str]:
     """Per (arm, reference) comparison: the paired difference of the registered primary metric at equal steps
     and at equal rollouts (mean and 95% t-interval over seeds, accuracy points), per seed, and the registered
-    verdict on each."""
+    verdict on each. Where some runs of a replaying arm never entered the mixed phase (no success to store: each
+    is its reference's run until then), a second row leaves those seeds out (descriptive)."""
     lines = ["| comparison | seeds | Δ at equal steps: mean [95% CI] | per seed | verdict | Δ at equal rollouts: "
              "mean [95% CI] | per seed | verdict |", "|---|---|---:|---|---|---:|---|---|"]
     for name, reference in comparisons:
-        d = paired_difference(arms[name], arms[reference], registered)
-        if len(d.seeds) < 2:
-            continue
-        lines.append(f"| {arms[name][0].arm.label} − {arms[reference][0].arm.label} | {', '.join(map(str, d.seeds))}"
-                     f" | {_difference_cells(d.at_equal_steps, registered)}"
-                     f" | {_difference_cells(d.at_equal_rollouts, registered)} |")
+        runs, label = arms[name], f"{arms[name][0].arm.label} − {arms[reference][0].arm.label}"
+        replayed = [r for r in runs if r.config.experience.ratio == 0 or mixed_phase_start(r.history) is not None]
+        for subset, row in [(runs, label)] + ([(replayed, f"{label}, seeds where it replayed")]
+                                              if len(replayed) < len(runs) else []):
+            d = paired_difference(subset, arms[reference], registered)
+            if len(d.seeds) >= 2:
+                lines.append(f"| {row} | {', '.join(map(str, d.seeds))} | "
+                             f"{_difference_cells(d.at_equal_steps, registered)} | "
+                             f"{_difference_cells(d.at_equal_rollouts, registered)} |")
     return lines
 
 
