@@ -109,8 +109,10 @@ _ANSWER_IS = re.compile(rf"\banswer(?:[ \t]+to[ \t]+[^.!?\n]{{1,40}}?)?[ \t]*(?:
 _IS_THE_ANSWER = re.compile(rf"(?<![\d.,]){_WRAP_OPEN}(?P<chain>{_CHAIN}){_WRAP_CLOSE}[ \t]+is[ \t]+(?:the|our|my)"
                             rf"[ \t]+(?:final[ \t]+|correct[ \t]+)?answer\b", re.IGNORECASE)
 
+#: "is not", "isn't" between an answer and a number
+_IS_NOT = r"[ \t]+(?:is[ \t]+not|isn't)[ \t]+"
 #: "the answer is not 70, it is 71", "the answer isn't 70 but 71": the correction states the answer
-_CORRECTED_ANSWER = re.compile(rf"\banswer[ \t]+(?:is[ \t]+not|isn't)[ \t]+{_WRAP_OPEN}(?:{_STATED_NUMBER}){_WRAP_CLOSE}"
+_CORRECTED_ANSWER = re.compile(rf"\banswer{_IS_NOT}{_WRAP_OPEN}(?:{_STATED_NUMBER}){_WRAP_CLOSE}"
                                rf"[ \t]*[,;]?[ \t]*(?:but[ \t]+)?(?:it[ \t]+is[ \t]+|it's[ \t]+)?{_WRAP_OPEN}[ \t]*"
                                rf"(?P<chain>{_CHAIN}){_WRAP_CLOSE}{_STATEMENT_END}", re.IGNORECASE)
 
@@ -120,7 +122,6 @@ _QUESTIONED_ANSWER = re.compile(rf"\banswer[ \t]*(?:is|equals|=|:)[ \t]*{_WRAP_O
 
 #: a completion that ends by denying its last number is the answer ("The answer is not 5."; "5 is not the answer"):
 #: math-verify reads that number; it states no answer
-_IS_NOT = r"[ \t]+(?:is[ \t]+not|isn't)[ \t]+"
 _NEGATED_ANSWER = re.compile(rf"(?:\banswer{_IS_NOT}{_WRAP_OPEN}(?:{_STATED_NUMBER}){_WRAP_CLOSE}|(?:{_STATED_NUMBER})"
                              rf"{_WRAP_CLOSE}{_IS_NOT}(?:the|my|our)[ \t]+(?:final[ \t]+|correct[ \t]+)?answer)\W*$",
                              re.IGNORECASE)

@@ -213,8 +213,10 @@ def paired_table(arms: dict[str, list[RunResult]], comparisons: list[tuple[str, 
     for name, reference in comparisons:
         runs, label = arms[name], f"{arms[name][0].arm.label} − {arms[reference][0].arm.label}"
         replayed = [r for r in runs if r.config.experience.ratio == 0 or mixed_phase_start(r.history) is not None]
-        for subset, row in [(runs, label)] + ([(replayed, f"{label}, seeds where it replayed")]
-                                              if len(replayed) < len(runs) else []):
+        subsets = [(runs, label)]
+        if len(replayed) < len(runs):
+            subsets.append((replayed, f"{label}, seeds where it replayed"))
+        for subset, row in subsets:
             d = paired_difference(subset, arms[reference], registered)
             if len(d.seeds) >= 2:
                 lines.append(f"| {row} | {', '.join(map(str, d.seeds))} | "
