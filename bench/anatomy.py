@@ -40,12 +40,12 @@ from exgrpo.config import config_from_dict  # noqa: E402
 from exgrpo.data import load_questions  # noqa: E402
 from exgrpo.config import LoraConfig
 from exgrpo.models import apply_lora, load_policy  # noqa: E402
-from exgrpo.learner.objective import mixed_policy_loss  # noqa: E402
+from exgrpo.learner.objective import MicroBatch, mixed_policy_loss  # noqa: E402
 from exgrpo.learner.forward import token_logprobs  # noqa: E402
 from exgrpo.records import WARMUP  # noqa: E402
 from exgrpo.tensors import pack  # noqa: E402
 from exgrpo.training.trainer import ExGRPOTrainer  # noqa: E402
-from exgrpo.learner.learner import loss_settings  # noqa: E402
+from exgrpo.learner.learner import phase_losses  # noqa: E402
 
 DEMO_DATA = ("reasoning_gym:basic_arithmetic?size=64&seed=1&min_terms=2&max_terms=2&min_digits=1&max_digits=2"
              "&operators=+&allow_negation=false&allow_parentheses=false")
@@ -97,11 +97,12 @@ def bench_model(name: str, repeats: int) -> None:
             "completion_tokens": int(mask.sum()), "lora": lora, "repeats": repeats}
 
     def loss_of(logp, entropy, settings):
-        return mixed_policy_loss(logp, logp.detach(), logp.detach(), advantages, mask, packed.replay_mask,
-                                 settings, entropy=entropy, total_tokens=float(mask.sum()), total_sequences=float(N))[0]
+        micro = MicroBatch(advantages, mask, packed.replay_mask, logp.detach(), total_tokens=float(mask.sum()),
+                           total_sequences=float(N))
+        return mixed_policy_loss(logp, logp.detach(), micro, settings, entropy=entropy)[0]
 
     def run(forward, entropy_coef=0.0):
-        settings = dataclasses.replace(loss_settings(config.objective, T, WARMUP), entropy_coef=entropy_coef)
+        settings = dataclasses.replace(phase_losses(config)[WARMUP], entropy_coef=entropy_coef)
         trainer.model.train()
 
         def once():

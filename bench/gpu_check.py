@@ -35,6 +35,7 @@ from exgrpo.learner.forward import token_logprobs  # noqa: E402
 from exgrpo.tensors import pack  # noqa: E402
 from exgrpo.learner.learner import Learner  # noqa: E402
 from exgrpo.models import load_policy  # noqa: E402
+from exgrpo.records import WARMUP  # noqa: E402
 from exgrpo.rollout import HFEngine, SamplingSettings  # noqa: E402
 from exgrpo.runtime.distributed import Distributed  # noqa: E402
 from exgrpo.runtime.sharding import full_model_state, fully_shard_model, gathered  # noqa: E402
@@ -118,14 +119,14 @@ def qwen_shaped(device: torch.device, shape: dict, tokens: int, decode: tuple[in
                                          "activation_checkpointing": True, "logprob_chunk_tokens": 1024,
                                          "learning_rate": 1e-6}})
     model.config.use_cache = False
-    update = Learner(model, config.train, num_generations=8, temperature=1.0, dist=Distributed())
+    update = Learner(model, config.train, num_generations=8, temperature=1.0, dist=Distributed(),
+                     losses={WARMUP: LossSettings(normalizer=float(completion))})
     advantages = torch.tensor([0.5, -0.5] * 8)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    result = update(batch, advantages, LossSettings(normalizer=float(completion)), True, np.random.default_rng(0),
-                    StageTimer())
+    result = update(batch, advantages, WARMUP, np.random.default_rng(0), StageTimer())
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start

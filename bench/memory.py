@@ -47,7 +47,7 @@ def measure_micro_batch(model_name: str, length: int, chunk: int | None, checkpo
     from exgrpo.runtime.distributed import Distributed
     from exgrpo.config import LoraConfig
     from exgrpo.models import load_policy
-    from exgrpo.learner.objective import LossSettings, mixed_policy_loss
+    from exgrpo.learner.objective import LossSettings, MicroBatch, mixed_policy_loss
     from exgrpo.tensors import pack
     from exgrpo.learner.learner import Learner
 
@@ -55,7 +55,7 @@ def measure_micro_batch(model_name: str, length: int, chunk: int | None, checkpo
     model, tok = load_policy(model_name, lora=LoraConfig(32, 64, 0.0, "all-linear") if lora else None)
     config = config_from_dict({"train": {"logprob_chunk_tokens": chunk, "activation_checkpointing": checkpointing,
                                          "mini_batches": 1}})
-    update = Learner(model, config.train, num_generations=2, temperature=1.0, dist=Distributed())
+    update = Learner(model, config.train, num_generations=2, temperature=1.0, dist=Distributed(), losses={})
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     batch = pack([(rng.integers(0, vocab, PROMPT).tolist(), rng.integers(0, vocab, length).tolist(), None)],
@@ -64,8 +64,8 @@ def measure_micro_batch(model_name: str, length: int, chunk: int | None, checkpo
 
     def micro_batch() -> None:
         logp, entropy = update.logprobs(model, batch, torch.arange(1), with_entropy=True)
-        loss, _ = mixed_policy_loss(logp, logp.detach(), logp.detach(), torch.ones(1), batch.completion_mask,
-                                    batch.replay_mask, LossSettings(normalizer=float(length)), entropy=entropy)
+        micro = MicroBatch(torch.ones(1), batch.completion_mask, batch.replay_mask, logp.detach())
+        loss, _ = mixed_policy_loss(logp, logp.detach(), micro, LossSettings(normalizer=float(length)), entropy=entropy)
         loss.backward()
 
     micro_batch()  # warm-up: allocates the gradients and lets the allocator settle
@@ -88,7 +88,7 @@ def measure_ranks(model_name: str, sharding: str, length: int) -> None:
     from exgrpo.config import config_from_dict
     from exgrpo.runtime.distributed import init_distributed
     from exgrpo.models import load_policy
-    from exgrpo.learner.objective import LossSettings, mixed_policy_loss
+    from exgrpo.learner.objective import LossSettings, MicroBatch, mixed_policy_loss
     from exgrpo.tensors import pack
     from exgrpo.learner.learner import Learner
 
@@ -96,15 +96,15 @@ def measure_ranks(model_name: str, sharding: str, length: int) -> None:
     ctx = init_distributed()
     model, tok = load_policy(model_name)
     config = config_from_dict({"train": {"sharding": sharding, "mini_batches": 1}})
-    update = Learner(model, config.train, num_generations=1, temperature=1.0, dist=ctx)
+    update = Learner(model, config.train, num_generations=1, temperature=1.0, dist=ctx, losses={})
     ids = [10 + i % (model.config.vocab_size - 10) for i in range(length)]
     batch = pack([(ids[:PROMPT], ids, None)], tok.pad_token_id)
     for _ in range(2):  # the second step measures the steady state (optimizer state exists)
         if _ == 1:
             _reset_peak()
         logp, entropy = update.logprobs(update.train_model, batch, torch.arange(1), with_entropy=True)
-        loss, _ = mixed_policy_loss(logp, logp.detach(), logp.detach(), torch.ones(1), batch.completion_mask,
-                                    batch.replay_mask, LossSettings(normalizer=float(length)), entropy=entropy)
+        micro = MicroBatch(torch.ones(1), batch.completion_mask, batch.replay_mask, logp.detach())
+        loss, _ = mixed_policy_loss(logp, logp.detach(), micro, LossSettings(normalizer=float(length)), entropy=entropy)
         loss.backward()
         update.optimizer.step()
         update.optimizer.zero_grad(set_to_none=True)

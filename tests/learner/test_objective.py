@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from exgrpo.learner.objective import (
-    LossSettings, aggregate, group_advantages, merge_stats, mixed_policy_loss, policy_shaping,
+    LossSettings, MicroBatch, aggregate, group_advantages, merge_stats, mixed_policy_loss, policy_shaping,
     truncated_importance_weights,
 )
 
@@ -27,10 +27,8 @@ def test_policy_shaping_values():
 
 def _one_token(logp_value, recorded, adv, replay, settings, old=0.0):
     logp = torch.tensor([[logp_value]], requires_grad=True)
-    loss, stats = mixed_policy_loss(
-        logp, torch.tensor([[old]]), torch.tensor([[recorded]]), torch.tensor([adv]),
-        torch.ones(1, 1), torch.tensor([[replay]]), settings,
-    )
+    micro = MicroBatch(torch.tensor([adv]), torch.ones(1, 1), torch.tensor([[replay]]), torch.tensor([[recorded]]))
+    loss, stats = mixed_policy_loss(logp, torch.tensor([[old]]), micro, settings)
     loss.backward()
     return loss.item(), logp.grad.item(), stats
 
@@ -113,8 +111,8 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(aggregation):
 
     def run(rows, totals):
         logp = torch.nn.functional.logsigmoid(logits[rows])
-        loss, _ = mixed_policy_loss(logp, old[rows], rec[rows], adv[rows], mask[rows], replay[rows], s,
-                                    entropy=ent[rows], **totals)
+        micro = MicroBatch(adv[rows], mask[rows], replay[rows], rec[rows], **totals)
+        loss, _ = mixed_policy_loss(logp, old[rows], micro, s, entropy=ent[rows])
         return loss
 
     full = run(slice(None), {})
@@ -130,10 +128,9 @@ def test_entropy_bonus():
     values, mask = _batch()
     logp = -values.abs()
     entropy = torch.full_like(logp, 2.0)
-    no_bonus, _ = mixed_policy_loss(logp, logp, logp, torch.zeros(3), mask, torch.zeros(3, 4, dtype=torch.bool),
-                                    LossSettings(entropy_coef=0.0))
-    bonus, stats = mixed_policy_loss(logp, logp, logp, torch.zeros(3), mask, torch.zeros(3, 4, dtype=torch.bool),
-                                     LossSettings(entropy_coef=0.01), entropy=entropy)
+    micro = MicroBatch(torch.zeros(3), mask, torch.zeros(3, 4, dtype=torch.bool), logp)
+    no_bonus, _ = mixed_policy_loss(logp, logp, micro, LossSettings(entropy_coef=0.0))
+    bonus, stats = mixed_policy_loss(logp, logp, micro, LossSettings(entropy_coef=0.01), entropy=entropy)
     assert no_bonus.item() == 0.0 and bonus.item() == pytest.approx(-0.02) and stats["entropy"] == pytest.approx(2.0)
 
 
@@ -147,8 +144,8 @@ def test_merge_stats_equals_stats_of_the_union():
     replay = torch.zeros(B, T, dtype=torch.bool)
     replay[[0, 4]] = True
     s = LossSettings()
-    whole = mixed_policy_loss(logp, old, rec, adv, mask, replay, s, entropy=ent)[1]
-    parts = [mixed_policy_loss(logp[r], old[r], rec[r], adv[r], mask[r], replay[r], s, entropy=ent[r])[1]
+    whole = mixed_policy_loss(logp, old, MicroBatch(adv, mask, replay, rec), s, entropy=ent)[1]
+    parts = [mixed_policy_loss(logp[r], old[r], MicroBatch(adv[r], mask[r], replay[r], rec[r]), s, entropy=ent[r])[1]
              for r in (slice(0, 1), slice(1, 4), slice(4, 6))]
     merged = merge_stats(parts)
     for key, value in whole.items():
@@ -167,12 +164,13 @@ def test_truncated_importance_weights_against_hand_computed_values():
     assert w.flatten().tolist() == pytest.approx([1.5, math.exp(-1.0), 1.0, 1.5, 1.0, 1.0])
     assert not w.requires_grad
 
-    s = LossSettings(normalizer=1.0, entropy_coef=0.0, clip_fresh=False)
+    s = LossSettings(normalizer=1.0, entropy_coef=0.0, clip_fresh=False, tis_cap=1.5)
     logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)  # = old: ratio 1, loss -A per token
     replay = torch.tensor([[False, False, True]])
-    loss, stats = mixed_policy_loss(logp, old[:1], torch.zeros(1, 3), torch.tensor([2.0]), torch.ones(1, 3), replay, s,
-                                    engine_weight=w[:1])
+    micro = MicroBatch(torch.tensor([2.0]), torch.ones(1, 3), replay, torch.zeros(1, 3), engine[:1], mask[:1])
+    loss, stats = mixed_policy_loss(logp, old[:1], micro, s)
     shaped_replay = math.exp(-0.5) / (math.exp(-0.5) + 0.1)  # f(w) of the replayed token, recorded log-prob 0
     assert loss.item() == pytest.approx(-2.0 * (1.5 + math.exp(-1.0)) - 2.0 * shaped_replay, rel=1e-6)
     assert stats["tis/weight_mean"] == pytest.approx((1.5 + math.exp(-1.0)) / 2)
     assert stats["tis/weight_min"] == pytest.approx(math.exp(-1.0))
+    assert stats["tis/truncated_fraction"] == 0.5  # of the two fresh tokens, one at the cap

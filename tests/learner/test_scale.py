@@ -10,7 +10,8 @@ import torch
 from exgrpo.config import config_from_dict
 from exgrpo.data import PromptEncoder
 from exgrpo.runtime.distributed import Distributed
-from exgrpo.learner.objective import LossSettings, mixed_policy_loss
+from exgrpo.learner.objective import LossSettings, MicroBatch, mixed_policy_loss
+from exgrpo.records import WARMUP
 from exgrpo.learner.forward import PACKED, PACKED_SEQUENCE_TOKENS, pack_rows, packs_rows, token_logprobs
 from exgrpo.tensors import pack
 from exgrpo.rollout import HFEngine, SamplingSettings
@@ -91,10 +92,12 @@ def test_micro_batch_plan_respects_the_token_budget():
         [[0, 1, 2, 3], [4, 5]]
 
 
-def _update(model, **train):
+def _update(model, loss: LossSettings, **train):
+    """A one-process learner whose warm-up objective is `loss`."""
     config = config_from_dict({"train": {"mini_batches": 1, "micro_batch_size": 64, "learning_rate": 1e-3,
                                          "steps": 2, **train}})
-    return Learner(model, config.train, num_generations=4, temperature=1.0, dist=Distributed())
+    return Learner(model, config.train, num_generations=4, temperature=1.0, dist=Distributed(),
+                   losses={WARMUP: loss})
 
 
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
@@ -102,7 +105,7 @@ def test_one_process_trains_its_model_as_it_is_whatever_the_sharding(tiny_policy
     """train.sharding applies across ranks: a one-process learner neither wraps nor shards, nor scales the loss."""
     model, _ = tiny_policy
     learner = Learner(model, config_from_dict({"train": {"sharding": sharding}}).train, num_generations=4,
-                      temperature=1.0, dist=Distributed())
+                      temperature=1.0, dist=Distributed(), losses={WARMUP: LossSettings()})
     assert learner.train_model is model and learner.replica is model and learner.parallel.loss_multiplier == 1
     assert learner.parallel.backward_passes(0) == 0  # no padding pass: there are no collectives to join
 
@@ -115,9 +118,9 @@ def test_token_budget_micro_batches_give_the_one_micro_batch_update(questions):
         model, tok = load_policy("tiny:0")
         batch = _batch(tok, questions(12)[::4], [[5, 6, 7], [8], [9, 10, 11, 12, 13, 14], [15, 16]])
         advantages = torch.tensor([0.5, -0.5, 0.25, -0.25] * 3)
-        update = _update(model, max_tokens_per_micro_batch=budget)
-        result = update(batch, advantages, LossSettings(aggregation="token_mean", entropy_coef=0.01), True,
-                        np.random.default_rng(0), StageTimer())
+        update = _update(model, LossSettings(aggregation="token_mean", entropy_coef=0.01),
+                         max_tokens_per_micro_batch=budget)
+        result = update(batch, advantages, WARMUP, np.random.default_rng(0), StageTimer())
         outcomes.append((result.stats, [p.detach().clone() for p in model.parameters()]))
     (a, pa), (b, pb) = outcomes
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"], 1e-6)
@@ -132,13 +135,13 @@ def test_entropy_bonus_per_micro_batch_adds_up_the_micro_batch_means():
     entropy = torch.tensor([[1.0, 1, 1], [4, 9, 9]])
     adv, replay = torch.zeros(2), torch.zeros(2, 3, dtype=torch.bool)
     settings = LossSettings(entropy_coef=1.0, entropy_per_micro_batch=True)
-    parts = [mixed_policy_loss(logp[i:i + 1], logp[i:i + 1], logp[i:i + 1], adv[i:i + 1], mask[i:i + 1],
-                               replay[i:i + 1], settings, entropy=entropy[i:i + 1], total_tokens=4.0)[0]
+    micro = [MicroBatch(adv[i:i + 1], mask[i:i + 1], replay[i:i + 1], logp[i:i + 1], total_tokens=4.0)
+             for i in range(2)]
+    parts = [mixed_policy_loss(logp[i:i + 1], logp[i:i + 1], micro[i], settings, entropy=entropy[i:i + 1])[0]
              for i in range(2)]
     assert sum(parts).item() == pytest.approx(-(1.0 + 4.0))  # mean 1 over 3 tokens, mean 4 over 1 token
     whole = LossSettings(entropy_coef=1.0)
-    parts = [mixed_policy_loss(logp[i:i + 1], logp[i:i + 1], logp[i:i + 1], adv[i:i + 1], mask[i:i + 1],
-                               replay[i:i + 1], whole, entropy=entropy[i:i + 1], total_tokens=4.0)[0]
+    parts = [mixed_policy_loss(logp[i:i + 1], logp[i:i + 1], micro[i], whole, entropy=entropy[i:i + 1])[0]
              for i in range(2)]
     assert sum(parts).item() == pytest.approx(-7.0 / 4)  # one token mean over the mini-batch's 4 tokens
 
@@ -193,8 +196,8 @@ def test_behaviour_logprobs_come_from_the_sampling_policy_without_dropout(questi
     with torch.no_grad():
         expected, _ = token_logprobs(model, batch, 1.0)
     model.train()
-    result = _update(model)(batch, torch.tensor([0.5, -0.5, 0.25, -0.25] * 2), LossSettings(), True,
-                            np.random.default_rng(0), StageTimer())
+    result = _update(model, LossSettings())(batch, torch.tensor([0.5, -0.5, 0.25, -0.25] * 2), WARMUP,
+                                            np.random.default_rng(0), StageTimer())
     torch.testing.assert_close(result.old_logp, expected, atol=1e-6, rtol=0)
     assert not math.isclose(result.stats["ratio/mean"], 1.0, abs_tol=1e-4)  # training forwards had dropout
 
@@ -241,7 +244,7 @@ def test_bf16_update_logprobs_agree_with_the_fp32_reference(questions):
     batch = _batch(tok, questions(12)[::4], [[5, 6, 7], [8], [9, 10, 11, 12, 13, 14], [15, 16]])
     with torch.no_grad():
         reference, _ = token_logprobs(model, batch, 1.0)
-        learner = _update(model, dtype="bf16")
+        learner = _update(model, LossSettings(), dtype="bf16")
         assert {p.dtype for p in model.parameters() if not p.requires_grad} >= {torch.bfloat16}
         logp, _ = learner.logprobs(model, batch, slice(None), with_entropy=False)
     mask = batch.completion_mask.bool()

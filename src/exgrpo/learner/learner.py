@@ -21,29 +21,30 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from exgrpo.config import ExGRPOConfig, ObjectiveConfig, TrainConfig, engine_correction_cap
+from exgrpo.config import ExGRPOConfig, TrainConfig, engine_correction_cap
 from exgrpo.runtime.distributed import Distributed
 from exgrpo.errors import TrainingError
-from exgrpo.learner.objective import (LossSettings, importance_weight_stats, merge_stats, mixed_policy_loss,
-                                     truncated_importance_weights)
+from exgrpo.learner.objective import LossSettings, MicroBatch, merge_stats, mixed_policy_loss
 from exgrpo.learner.forward import PACKED, candidate_scores, packs_rows, token_logprobs
 from exgrpo.learner.parallel import parallelism
-from exgrpo.records import WARMUP
+from exgrpo.records import MIXED, WARMUP
 from exgrpo.tensors import PackedBatch, TrajectoryScore
 from exgrpo.runtime.timing import StageTimer
 
 
 
-def loss_settings(objective: ObjectiveConfig, max_completion_length: int, phase: str,
-                  guidance_gamma: float = 0.1) -> LossSettings:
-    """The objective of a phase: PPO clipping of fresh tokens in the warm-up only (unless clip_after_switch)."""
-    o = objective
-    return LossSettings(
+def phase_losses(config: ExGRPOConfig) -> dict[str, LossSettings]:
+    """Each phase's objective (spec §4): PPO clipping of fresh tokens in the warm-up only (unless
+    objective.clip_after_switch); replayed tokens' ratio to their recorded behaviour unless
+    experience.importance_correction is off; the engine correction `exgrpo.config.engine_correction_cap` decides."""
+    o = config.objective
+    return {phase: LossSettings(
         clip_fresh=phase == WARMUP or o.clip_after_switch, epsilon_low=o.epsilon_low, epsilon_high=o.epsilon_high,
         beta=o.beta, shaping=o.policy_shaping, aggregation=o.aggregation,
-        normalizer=o.normalizer or float(max_completion_length), entropy_coef=o.entropy_coef,
-        entropy_per_micro_batch=o.loss_scale == "per_rank", guidance_gamma=guidance_gamma,
-    )
+        normalizer=o.normalizer or float(config.rollout.max_completion_length), entropy_coef=o.entropy_coef,
+        entropy_per_micro_batch=o.loss_scale == "per_rank", guidance_gamma=config.guidance.gamma,
+        importance_correction=config.experience.importance_correction, tis_cap=engine_correction_cap(config),
+    ) for phase in (WARMUP, MIXED)}
 
 
 def plan_micro_batches(rows: torch.Tensor, prompt_lengths: torch.Tensor, completion_lengths: torch.Tensor,
@@ -81,6 +82,26 @@ class UpdateResult:
     token_entropy: torch.Tensor  # (N, T) token entropies from the training forward passes (0 off completions)
 
 
+@dataclass(frozen=True)
+class _Update:
+    """One update's inputs, as its micro-steps read them."""
+    batch: PackedBatch  # N rows
+    advantages: torch.Tensor  # (N,)
+    settings: LossSettings  # the phase's objective
+    old_logp: torch.Tensor | None  # (N, T) pre-update log-probs; None: each training forward is that pass
+    timer: StageTimer
+
+
+@dataclass(frozen=True)
+class _MicroResult:
+    """What one micro-batch's forward and backward give: its loss, statistics and per-token values, on the CPU."""
+    rows: torch.Tensor  # (B,) rows of the batch
+    loss: float
+    stats: dict[str, float]
+    old_logp: torch.Tensor  # (B, T) pre-update log-probs
+    entropy: torch.Tensor  # (B, T) token entropies of the training forward
+
+
 def store_frozen_linear_weights(model: torch.nn.Module, dtype: torch.dtype) -> int:
     """Store the frozen Linear weights (a LoRA base) in `dtype` for good; returns how many were cast.
 
@@ -96,6 +117,14 @@ def store_frozen_linear_weights(model: torch.nn.Module, dtype: torch.dtype) -> i
     for w in frozen:
         w.data = w.data.to(dtype)
     return len(frozen)
+
+
+def _at_rows(batch: PackedBatch, pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """(N, T) per-token values of the batch from (rows, (B, T) values) pieces; 0 on rows no piece has."""
+    out = torch.zeros_like(batch.completion_mask)
+    for rows, values in pieces:
+        out[rows] = values
+    return out
 
 
 SKIPPED_STEP_COUNTERS = ("skipped_optimizer_steps", "skipped_zero_advantage_steps")
@@ -114,20 +143,19 @@ class Learner:
         num_generations: K; mini-batches hold whole groups of K consecutive rows.
         temperature: the rollout temperature (log-probs are those of the sampling distribution).
         dist: the data-parallel context.
+        losses: each phase's objective (`phase_losses`), keyed by phase.
         loss_scale: "global" or "per_rank" (see `exgrpo.learner.parallel`).
-        tis_cap: weight fresh tokens by min(pi_old / pi_engine, tis_cap) where the engine reported log-probs;
-            None: no engine correction.
     """
 
     @classmethod
     def from_config(cls, model, config: ExGRPOConfig, dist: Distributed) -> "Learner":
-        """The learner a run's config describes: train.*, K and temperature of rollout.*, objective.loss_scale, and
-        the engine correction (`exgrpo.config.engine_correction_cap`)."""
+        """The learner a run's config describes: train.*, K and temperature of rollout.*, each phase's objective
+        (`phase_losses`) and objective.loss_scale."""
         return cls(model, config.train, config.rollout.num_generations, config.rollout.temperature, dist,
-                   loss_scale=config.objective.loss_scale, tis_cap=engine_correction_cap(config))
+                   phase_losses(config), loss_scale=config.objective.loss_scale)
 
     def __init__(self, model, train: TrainConfig, num_generations: int, temperature: float, dist: Distributed,
-                 loss_scale: str = "global", tis_cap: float | None = None):
+                 losses: dict[str, LossSettings], loss_scale: str = "global"):
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("the model has no trainable parameters")
         per_mini_batch = train.prompts_per_step // train.mini_batches
@@ -135,7 +163,7 @@ class Learner:
             raise ValueError(f"train.prompts_per_step / train.mini_batches = {per_mini_batch} questions per "
                              f"mini-batch cannot be shared by {dist.world_size} data-parallel ranks")
         self.model, self.train, self.K, self.temperature, self.dist = model, train, num_generations, temperature, dist
-        self.tis_cap = tis_cap
+        self.losses = losses
         if train.activation_checkpointing:
             if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.2x
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -214,32 +242,34 @@ class Learner:
         self.model.train(was_training)
         return scores
 
-    def __call__(self, batch: PackedBatch, advantages: torch.Tensor, settings: LossSettings,
-                 importance_correction: bool, rng: np.random.Generator, timer: StageTimer) -> UpdateResult:
-        """Update on `batch` (N = G*K rows, groups in order) with (N,) `advantages`; `rng` splits the groups into
-        mini-batches. Replayed tokens' ratio is against their recorded log-probs when `importance_correction`."""
+    def __call__(self, batch: PackedBatch, advantages: torch.Tensor, phase: str, rng: np.random.Generator,
+                 timer: StageTimer) -> UpdateResult:
+        """Update on `batch` (N = G*K rows, groups in order) with (N,) `advantages` by the objective of `phase`;
+        `rng` splits the groups into mini-batches."""
         minis = self._mini_batches(len(batch) // self.K, rng)
         my_rows = torch.cat([mine for _, mine in minis])
         with timer("logprob"):
-            old_logp = self._pre_update_logprobs(batch, my_rows)
-        entropy = torch.zeros_like(batch.completion_mask)
+            old_logp = self._pre_update_logprobs(batch, my_rows) if self.separate_behaviour_pass else None
+        update = _Update(batch, advantages, self.losses[phase], old_logp, timer)
+        results, loss_sum, grad_norms, zero_advantage = [], 0.0, [], 0
         with timer("update"):
-            parts, loss_sum, grad_norms, zero_advantage = [], 0.0, [], 0
             self.train_model.train()
             for mini, mine in minis:
-                loss, stats = self._accumulate(batch, advantages, settings, importance_correction, old_logp, entropy,
-                                               mini, mine, timer)
-                loss_sum += loss
-                parts += stats
+                micro_results = self._accumulate(update, mini, mine)
+                results += micro_results
+                loss_sum += sum(r.loss for r in micro_results)
                 has_signal = bool(advantages[mini].any())
                 zero_advantage += not has_signal
                 with timer("optimizer"):
                     grad_norms.append(self._optimizer_step(has_signal))
-        gathered_parts = self.dist.gather([(parts, loss_sum)])
+        gathered_parts = self.dist.gather([([r.stats for r in results], loss_sum)])
         stats = merge_stats([p for ps, _ in gathered_parts for p in ps])
         stats["loss"] = sum(loss for _, loss in gathered_parts)  # as optimised: summed over micro-batches
         stats["grad_norm"] = float(np.mean(grad_norms))
         stats["zero_advantage_steps"] = float(zero_advantage)
+        if old_logp is None:
+            old_logp = _at_rows(batch, [(r.rows, r.old_logp) for r in results])
+        entropy = _at_rows(batch, [(r.rows, r.entropy) for r in results])
         return UpdateResult(stats, self.parallel.assemble_rows(old_logp, my_rows),
                             self.parallel.assemble_rows(entropy, my_rows))
 
@@ -264,73 +294,49 @@ class Learner:
                                   self.train.max_tokens_per_micro_batch)
 
     def _pre_update_logprobs(self, batch: PackedBatch, rows: torch.Tensor) -> torch.Tensor:
-        """(N, T), filled on `rows`, from a no-grad pass in eval mode (the sampling policy: no dropout). Skipped
-        when the training forward of a single mini-batch is that pass already; `_accumulate` fills them in."""
+        """(N, T), filled on `rows`, from a no-grad pass in eval mode (the sampling policy: no dropout): later
+        mini-batches need the pre-update log-probs of the whole batch, and with dropout the training forward is not
+        the sampling policy."""
         old_logp = torch.zeros_like(batch.completion_mask)
-        if self.separate_behaviour_pass:  # later mini-batches need the pre-update log-probs of the whole batch
-            self.model.eval()
-            with torch.no_grad(), self.full_weights():
-                for micro in self._micro_batches(batch, rows):
-                    old_logp[micro] = self.logprobs(self.model, batch, micro, with_entropy=False)[0].cpu()
-            self.model.train()
+        self.model.eval()
+        with torch.no_grad(), self.full_weights():
+            for micro in self._micro_batches(batch, rows):
+                old_logp[micro] = self.logprobs(self.model, batch, micro, with_entropy=False)[0].cpu()
+        self.model.train()
         return old_logp
 
-    def _accumulate(self, batch: PackedBatch, advantages: torch.Tensor, settings: LossSettings,
-                    importance_correction: bool, old_logp: torch.Tensor, entropy: torch.Tensor, mini: torch.Tensor,
-                    mine: torch.Tensor, timer: StageTimer) -> tuple[float, list[dict]]:
-        """Forward/backward over this rank's micro-batches of one mini-batch; gradients accumulate exactly.
+    def _accumulate(self, update: _Update, mini: torch.Tensor, mine: torch.Tensor) -> list[_MicroResult]:
+        """Forward/backward over this rank's rows `mine` of one mini-batch `mini`; gradients accumulate exactly.
 
         Every rank runs the same number of backward passes where the collectives need it (FSDP: each pass;
         DDP: one), padding with passes over a row of the mini-batch whose loss is multiplied by zero.
         """
-        mask = batch.completion_mask
-        totals = {"total_tokens": float(mask[mini].sum()), "total_sequences": float(len(mini))}
-        micro_batches = self._micro_batches(batch, mine)
+        totals = {"total_tokens": float(update.batch.completion_mask[mini].sum()), "total_sequences": float(len(mini))}
+        micro_batches = self._micro_batches(update.batch, mine)
         passes = self.parallel.backward_passes(len(micro_batches))
-        loss_sum, parts = 0.0, []
+        results = []
         for i in range(passes):
             with self.parallel.gradient_sync(last=i == passes - 1):
-                if i >= len(micro_batches):  # padding pass: joins the collectives, adds nothing
-                    self.logprobs(self.train_model, batch, mini[:1], with_entropy=False)[0].sum().mul(0.0).backward()
-                    continue
-                loss, stats = self._micro_step(batch, micro_batches[i], advantages, settings, importance_correction,
-                                               old_logp, entropy, totals, timer)
-            loss_sum += loss
-            parts.append(stats)
-        return loss_sum, parts
+                if i < len(micro_batches):
+                    results.append(self._micro_step(update, micro_batches[i], totals))
+                else:  # padding pass: joins the collectives, adds nothing
+                    logp = self.logprobs(self.train_model, update.batch, mini[:1], with_entropy=False)[0]
+                    logp.sum().mul(0.0).backward()
+        return results
 
-    def _micro_step(self, batch: PackedBatch, rows: torch.Tensor, advantages: torch.Tensor, settings: LossSettings,
-                    importance_correction: bool, old_logp: torch.Tensor, entropy_out: torch.Tensor, totals: dict,
-                    timer: StageTimer) -> tuple[float, dict]:
-        """Forward and backward of one micro-batch; returns its loss and statistics and fills in its rows of
-        `entropy_out` (and of `old_logp` when the training forward is the behaviour pass)."""
-        with timer("forward"):
-            logp, entropy = self.logprobs(self.train_model, batch, rows, with_entropy=True)
-        entropy_out[rows] = entropy.detach().float().cpu()
-        if not self.separate_behaviour_pass:
-            old_logp[rows] = logp.detach().cpu()
-
-        def mine(t: torch.Tensor | None) -> torch.Tensor | None:  # this micro-batch's rows, on the model's device
-            return None if t is None else t[rows].to(logp.device)
-
-        recorded = torch.where(mine(batch.replay_mask), mine(batch.recorded_logp), mine(old_logp)) \
-            if importance_correction else mine(old_logp)
-        engine_weight = None
-        if self.tis_cap is not None and batch.engine_mask is not None:
-            engine_weight = truncated_importance_weights(mine(old_logp), mine(batch.engine_logp),
-                                                         mine(batch.engine_mask), self.tis_cap)
-        loss, stats = mixed_policy_loss(
-            logp, mine(old_logp), recorded, mine(advantages), mine(batch.completion_mask),
-            mine(batch.replay_mask), settings, entropy=entropy, engine_weight=engine_weight,
-            demonstration_mask=mine(batch.demonstration_mask), **totals)
-        if engine_weight is not None:
-            stats.update(importance_weight_stats(engine_weight, mine(batch.engine_mask) & ~mine(batch.replay_mask),
-                                                 self.tis_cap))
+    def _micro_step(self, update: _Update, rows: torch.Tensor, totals: dict[str, float]) -> _MicroResult:
+        """Forward and backward of one micro-batch: `rows` of the batch, `totals` those of its mini-batch."""
+        with update.timer("forward"):
+            logp, entropy = self.logprobs(self.train_model, update.batch, rows, with_entropy=True)
+        micro = MicroBatch.of(update.batch, rows, update.advantages, logp.device, **totals)
+        # without a separate behaviour pass this forward is the pre-update policy's
+        old_logp = logp.detach() if update.old_logp is None else update.old_logp[rows].to(logp.device)
+        loss, stats = mixed_policy_loss(logp, old_logp, micro, update.settings, entropy)
         if not torch.isfinite(loss):
             raise TrainingError(f"the loss is not finite ({loss.item()}); the update is not applied and "
                                 "the last checkpoint is the last good state")
         (loss * self.parallel.loss_multiplier).backward()
-        return loss.item(), stats
+        return _MicroResult(rows, loss.item(), stats, old_logp.cpu(), entropy.detach().float().cpu())
 
     def _optimizer_step(self, has_signal: bool) -> float:
         """Applies the accumulated gradients unless skipped; `has_signal`: some advantage of the mini-batch is not 0.

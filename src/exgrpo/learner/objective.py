@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from exgrpo.config.schema import Aggregation, ScaleRewards
+from exgrpo.tensors import PackedBatch
 
 #: objective.scale_rewards: (centred R - mean, rewards R, eps) -> advantages, both (G, K)
 ADVANTAGE_SCALES: dict[ScaleRewards, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
@@ -79,6 +80,42 @@ class LossSettings:
     entropy_coef: float = 0.001
     entropy_per_micro_batch: bool = False  # the bonus over each micro-batch's own tokens, summed (released)
     guidance_gamma: float = 0.1  # shaping constant of demonstration tokens: f(pi) = pi / (pi + gamma)
+    importance_correction: bool = True  # replayed tokens' ratio to their recorded behaviour (else the pre-update)
+    tis_cap: float | None = None  # fresh tokens weighted by min(pi_old / pi_engine, tis_cap); None: no correction
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """What the loss reads of B sequences besides the policy's log-probs (T completion positions).
+
+    advantages: (B,) one per sequence. mask: (B, T) 1 on completion tokens. replay_mask: (B, T) bool, True on
+    replayed tokens (a subset of mask). recorded_logp: (B, T) behaviour log-probs recorded at collection (read on
+    replayed tokens). engine_logp, engine_mask: (B, T) the rollout engine's log-probs of the tokens it sampled and
+    where it reported them, or None. demonstration_mask: (B, T) external demonstrations' tokens (see
+    `token_losses`), or None. total_tokens, total_sequences: the whole mini-batch's when this is one micro-batch of
+    it (None: its own), so that accumulated gradients equal the unsplit ones.
+    """
+
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    replay_mask: torch.Tensor
+    recorded_logp: torch.Tensor
+    engine_logp: torch.Tensor | None = None
+    engine_mask: torch.Tensor | None = None
+    demonstration_mask: torch.Tensor | None = None
+    total_tokens: float | None = None
+    total_sequences: float | None = None
+
+    @classmethod
+    def of(cls, batch: PackedBatch, rows: torch.Tensor, advantages: torch.Tensor, device: torch.device,
+           total_tokens: float | None = None, total_sequences: float | None = None) -> "MicroBatch":
+        """`rows` of a packed batch with their (N,) `advantages`, sliced once onto `device`."""
+        def mine(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[rows].to(device)
+
+        return cls(mine(advantages), mine(batch.completion_mask), mine(batch.replay_mask), mine(batch.recorded_logp),
+                   mine(batch.engine_logp), mine(batch.engine_mask), mine(batch.demonstration_mask),
+                   total_tokens, total_sequences)
 
 
 def token_losses(
@@ -154,63 +191,56 @@ def aggregate(
     return reduce(token_values, mask.to(token_values.dtype), settings, total_tokens, total_sequences)
 
 
-def mixed_policy_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    recorded_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    replay_mask: torch.Tensor,
-    settings: LossSettings,
-    entropy: torch.Tensor | None = None,
-    total_tokens: float | None = None,
-    total_sequences: float | None = None,
-    engine_weight: torch.Tensor | None = None,
-    demonstration_mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The ExGRPO loss of a (micro-)batch and detached statistics.
+def mixed_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, micro: MicroBatch, settings: LossSettings,
+                      entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The ExGRPO loss of a micro-batch (B sequences, T completion positions) and detached statistics:
+
+        L = agg_t( where(replayed, -A f(w), -A r) * tis ) - entropy_coef * token-mean entropy
+
+    with r the fresh tokens' ratio to the pre-update policy (PPO-clipped when `settings.clip_fresh`), w the replayed
+    tokens' ratio to their recorded behaviour policy (`token_losses`), tis the engine correction of fresh tokens.
 
     Args:
-        logp, old_logp, recorded_logp: (B, T) as in `token_losses`.
-        advantages: (B,).
-        mask: (B, T) 1 on completion tokens.
-        replay_mask: (B, T) bool, True on replayed tokens (a subset of mask).
-        entropy: (B, T) current-policy token entropies, for the bonus -entropy_coef * token-mean entropy.
-        engine_weight: (B, T) weights of fresh tokens' losses (`truncated_importance_weights`), or None.
-        demonstration_mask: (B, T) external demonstrations' tokens (see `token_losses`), or None.
-        total_tokens / total_sequences: mini-batch totals when this is one micro-batch of it. The entropy
-            bonus is a token mean over the whole mini-batch, or with `entropy_per_micro_batch` over this
-            micro-batch's tokens (so micro-batch bonuses add up, as released: spec §4.3).
+        logp: (B, T) log-probs of the taken tokens under the policy being optimised.
+        old_logp: (B, T) log-probs under the policy before this step's update.
+        entropy: (B, T) current-policy token entropies, for the bonus; the bonus is a token mean over the whole
+            mini-batch, or with `entropy_per_micro_batch` over this micro-batch's tokens (so micro-batch bonuses add
+            up, as released: spec §4.3).
     Returns:
         (loss scalar with grad, stats of plain floats).
     """
-    mask = mask.to(logp.dtype)
-    replay_mask = replay_mask.bool() & mask.bool()
-    fresh_mask = mask * (~replay_mask).to(mask.dtype)
-    losses, parts = token_losses(logp, old_logp, recorded_logp, advantages, replay_mask, settings,
-                                 demonstration_mask)
-    if engine_weight is not None:
+    mask = micro.mask.to(logp.dtype)
+    replay_mask = micro.replay_mask.bool() & mask.bool()
+    # replayed tokens' ratio is to the policy that sampled them, or (ablation) to the pre-update one
+    recorded = torch.where(micro.replay_mask, micro.recorded_logp, old_logp) if settings.importance_correction \
+        else old_logp
+    losses, parts = token_losses(logp, old_logp, recorded, micro.advantages, replay_mask, settings,
+                                 micro.demonstration_mask)
+    if settings.tis_cap is not None and micro.engine_mask is not None:
+        engine_weight = truncated_importance_weights(old_logp, micro.engine_logp, micro.engine_mask, settings.tis_cap)
         losses = torch.where(replay_mask, losses, losses * engine_weight)
         parts["engine_weight"] = engine_weight
-    loss = aggregate(losses, mask, settings, total_tokens, total_sequences)
-    whole = total_tokens is None or settings.entropy_per_micro_batch
-    n_tokens = mask.sum() if whole else torch.tensor(float(total_tokens))
+    loss = aggregate(losses, mask, settings, micro.total_tokens, micro.total_sequences)
     if entropy is not None and settings.entropy_coef:
+        whole = micro.total_tokens is None or settings.entropy_per_micro_batch
+        n_tokens = mask.sum() if whole else torch.tensor(float(micro.total_tokens))
         loss = loss - settings.entropy_coef * ((entropy * mask).sum() / n_tokens.clamp(min=1))
-    replayed = replay_mask if demonstration_mask is None else replay_mask & ~demonstration_mask.bool()
-    return loss, _stats(parts, advantages, mask, fresh_mask, replayed, settings, entropy)
+    return loss, _stats(parts, micro, mask, replay_mask, settings, entropy)
 
 
 @torch.no_grad()
-def _stats(parts, advantages, mask, fresh_mask, replayed, settings, entropy) -> dict[str, float]:
-    """`replayed`: (B, T) the replayed trajectories' tokens (demonstrations are off-policy but not replays)."""
+def _stats(parts, micro: MicroBatch, mask, replay_mask, settings, entropy) -> dict[str, float]:
+    """Fresh tokens' ratios (and engine weights), replayed trajectories' importance weights, the entropy."""
     ratio, w, shaped = parts["ratio"], parts["w"], parts["shaped"]
+    fresh_mask = mask * (~replay_mask).to(mask.dtype)
+    # demonstrations are off-policy but not replays
+    replayed = replay_mask if micro.demonstration_mask is None else replay_mask & ~micro.demonstration_mask.bool()
     stats: dict[str, float] = {"tokens": float(mask.sum()), "fresh_tokens": float(fresh_mask.sum()),
                                "replay_tokens": float(replayed.sum())}
     fresh = fresh_mask.bool()
     if fresh.any():
         r = ratio[fresh]
-        adv = advantages.unsqueeze(-1).expand_as(ratio)[fresh]
+        adv = micro.advantages.unsqueeze(-1).expand_as(ratio)[fresh]
         low = (r < 1 - settings.epsilon_low) & (adv < 0)
         high = (r > 1 + settings.epsilon_high) & (adv > 0)
         stats.update({
@@ -222,6 +252,9 @@ def _stats(parts, advantages, mask, fresh_mask, replayed, settings, entropy) -> 
         if "engine_weight" in parts:
             ew = parts["engine_weight"][fresh]
             stats.update({"tis/weight_mean": float(ew.mean()), "tis/weight_min": float(ew.min())})
+    if "engine_weight" in parts:
+        stats.update(importance_weight_stats(parts["engine_weight"], micro.engine_mask & ~micro.replay_mask,
+                                             settings.tis_cap))
     if replayed.any():
         wr = w[replayed]
         stats.update({

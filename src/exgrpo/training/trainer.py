@@ -42,7 +42,7 @@ from exgrpo.evaluation.contamination import screen_benchmark_questions
 from exgrpo.evaluation.heldout import Accuracy, evaluate_accuracy
 from exgrpo.experience.buffer import read_state, write_state
 from exgrpo.learner.objective import group_advantages
-from exgrpo.learner.learner import COUNTERS, SKIPPED_STEP_COUNTERS, Learner, loss_settings
+from exgrpo.learner.learner import COUNTERS, SKIPPED_STEP_COUNTERS, Learner
 from exgrpo.models import save_policy
 from exgrpo.records import Trajectory
 from exgrpo.rewards import GradingPool
@@ -148,11 +148,9 @@ class ExGRPOTrainer:
 
     def _update(self, batch, advantages: torch.Tensor, phase: str, timer: StageTimer):
         """Stage 9, once the last push no longer reads the weights it changes."""
-        c = self.config
-        settings = loss_settings(c.objective, c.rollout.max_completion_length, phase, c.guidance.gamma)
         self.source.weights_read()
-        return self.learner(batch, advantages.reshape(-1), settings, c.experience.importance_correction,
-                            np.random.default_rng([c.train.seed, self.step, 2]), timer)
+        return self.learner(batch, advantages.reshape(-1), phase,
+                            np.random.default_rng([self.config.train.seed, self.step, 2]), timer)
 
     def _metrics(self, record: StepRecord, planned, version: int, timer: StageTimer,
                  elapsed: float) -> tuple[dict, list[dict]]:
