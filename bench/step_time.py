@@ -136,7 +136,7 @@ class ExgrpoRunner:
 
     def step(self) -> dict:
         t = time.perf_counter()
-        metrics, _ = self.trainer.train_step()
+        metrics = self.trainer.train_step()
         t_track = time.perf_counter()
         self.tracker.log(self.trainer.step, metrics)
         end = time.perf_counter()

@@ -20,6 +20,7 @@ from rich.table import Table
 from exgrpo import __version__
 from exgrpo.config import ConfigError, load_config, preset_names
 from exgrpo.errors import ExgrpoError, ExgrpoWarning
+from exgrpo.runtime.distributed import launched_rank
 from exgrpo.runtime.signals import StopNow, sigterm_stops_at_once
 
 
@@ -74,7 +75,9 @@ def _stop_code(signal_name: str | None) -> int:
 
 
 def _note(message: str) -> None:
-    print(f"exgrpo: {message}", file=sys.stderr)
+    """A line for the user; under torchrun rank 0 says it for every rank."""
+    if launched_rank() == 0:
+        print(f"exgrpo: {message}", file=sys.stderr)
 
 
 def _demo(args, overrides) -> int:
@@ -391,7 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = lambda message, category, *rest: f"exgrpo: warning: {message}\n" \
         if issubclass(category, ExgrpoWarning) else library_format(message, category, *rest)
     try:
-        with sigterm_stops_at_once():
+        with warnings.catch_warnings(), sigterm_stops_at_once():
+            if launched_rank() != 0:  # under torchrun rank 0 warns for every rank
+                warnings.filterwarnings("ignore", category=ExgrpoWarning)
             return {"train": _train, "demo": _demo, "eval": lambda a, _: _eval(a, argv),
                     "experiment": lambda a, _: _experiment(a), "export": lambda a, _: _export(a),
                     "buffer": lambda a, _: _buffer(a), "serve": _serve}[args.command](args, overrides)

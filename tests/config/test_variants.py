@@ -11,6 +11,7 @@ from exgrpo.experience.policies import REPLAY_POLICIES
 from exgrpo.experience.sampler import QUESTION_DRAWS
 from exgrpo.experience.selection import SELECTION_METRICS, SELECTION_MODES
 from exgrpo.learner.objective import ADVANTAGE_SCALES, AGGREGATIONS
+from exgrpo.rollout import ENGINES, ENGINE_SETTINGS
 from exgrpo.training.generation import ZERO_VARIANCE_RULES
 
 VARIANTS = [  # (config key, its Literal, the registry that implements it)
@@ -21,12 +22,17 @@ VARIANTS = [  # (config key, its Literal, the registry that implements it)
     ("experience.selection_metric", schema.SelectionMetric, SELECTION_METRICS),
     ("experience.selection_mode", schema.SelectionMode, SELECTION_MODES),
     ("experience.replay_policy", schema.ReplayPolicyName, REPLAY_POLICIES),
+    ("rollout.engine", schema.EngineName, ENGINES),
 ]
 
 
 @pytest.mark.parametrize("key,literal,registry", VARIANTS, ids=[key for key, _, _ in VARIANTS])
 def test_registry_keys_are_the_schema_values(key, literal, registry):
     assert list(registry) == list(get_args(literal))
+
+
+def test_every_engine_is_set_up_from_the_config():
+    assert list(ENGINE_SETTINGS) == list(ENGINES)
 
 
 @pytest.mark.parametrize("key", [key for key, _, _ in VARIANTS])

@@ -101,7 +101,7 @@ def test_rlep_replays_a_stored_success_into_the_group_of_a_fresh_question():
     for q in trainer.experience.question_pool.questions.values():  # every question has a stored success
         trainer.experience.buffer.update_group(q.id, [True, False, False, False], [np.array([5, 6])] * K,
                                     [np.zeros(2, np.float32)] * K)
-    metrics, _ = trainer.train_step()
+    metrics = trainer.train_step()
     groups = trainer.last_step.groups
     assert len(groups) == 4 and all(g.members[0].replay is not None for g in groups)
     assert metrics["experience/replayed"] == 4 and metrics["generation/rollouts"] == 4 * (K - 1)

@@ -27,11 +27,16 @@ def _metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _run(cmd, run_dir, *extra):
+def _launch(cmd, run_dir, *extra) -> subprocess.CompletedProcess:
     result = subprocess.run(cmd + ["--config", str(ROOT / "configs" / "tiny.yaml"), *OVERRIDES,
                                    f"logging.output_dir={run_dir}", *extra],
                             capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def _run(cmd, run_dir, *extra):
+    _launch(cmd, run_dir, *extra)
     return _metrics(run_dir)
 
 
@@ -48,7 +53,10 @@ def _one_process(tmp_path_factory, *extra):
 
 @pytest.mark.slow
 def test_two_gloo_ranks_match_one_process(tmp_path, tmp_path_factory):
-    two = _run(TORCHRUN, tmp_path / "ddp")
+    said = [line for line in _launch(TORCHRUN, tmp_path / "ddp").stderr.splitlines() if line.startswith("exgrpo: ")]
+    assert any(line.startswith("exgrpo: data.train") for line in said)
+    assert len(said) == len(set(said)), said  # rank 0 speaks for both ranks: no line twice
+    two = _metrics(tmp_path / "ddp")
     one = _one_process(tmp_path_factory)
     assert len(two) == len(one) == STEPS
     assert two[-1]["experience/replayed"] > 0  # the comparison covers the mixed phase with replays

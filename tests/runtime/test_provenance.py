@@ -3,7 +3,7 @@
 import subprocess
 from pathlib import Path
 
-from exgrpo.runtime.provenance import end_session, git_state, read_sessions, start_session
+from exgrpo.runtime.provenance import code_label, end_session, git_state, read_sessions, start_session
 from exgrpo.runtime.rundir import clear_run, holds_a_run
 
 
@@ -74,3 +74,15 @@ def test_a_record_deleted_while_the_run_ran_still_gets_the_sessions_end(tmp_path
     end_session(tmp_path, 4, None)
     (session,) = read_sessions(tmp_path)
     assert session["started"].startswith("not recorded") and (session["to_step"], session["ended"] > "") == (4, True)
+
+
+def test_a_resume_that_finds_no_record_says_the_earlier_steps_ran_unrecorded(tmp_path):
+    """provenance.json deleted, then resumed at step 4: the record does not pass for the whole run's."""
+    from exgrpo.studies.report import code_warning
+
+    start_session(tmp_path, 4)
+    lost, resumed = read_sessions(tmp_path)
+    assert lost["started"].startswith("not recorded") and (lost["from_step"], lost["to_step"]) == (0, 4)
+    assert code_label(lost["code"]) == "not recorded" and code_label(resumed["code"]).startswith("exgrpo ")
+    assert "were run or resumed by different code: not recorded: arm/seed-1" in code_warning(
+        {"arm/seed-1": read_sessions(tmp_path)})

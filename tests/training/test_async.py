@@ -163,7 +163,7 @@ def test_async_metrics_report_staleness_and_idle_times():
 def test_a_resumed_async_run_continues_exactly_with_the_steps_in_flight():
     whole = _run(_trainer(_config(staleness=2, steps=6, output_dir="whole")))
     first = _trainer(_config(staleness=2, steps=6, output_dir="split"))
-    part_one = [{"metrics": _without_times(first.train_step()[0])} for _ in range(3)]
+    part_one = [{"metrics": _without_times(first.train_step())} for _ in range(3)]
     first.save()  # as a kill after step 3's checkpoint leaves it
     saved = json.loads((latest_intact_checkpoint("split") / "trainer.json").read_text())
     assert [s["step"] for s in saved["in_flight"]] == [3, 4]  # planned and sampled before the checkpoint

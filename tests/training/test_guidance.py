@@ -91,7 +91,7 @@ def _trainer(tiny_policy, scripted_engine, demos, own, mode="always", experience
 
 def test_demonstrations_join_groups_from_step_0_after_the_chat_templated_prompt(tiny_policy, scripted_engine):
     trainer, engine, tok = _trainer(tiny_policy, scripted_engine, [["ab", "ac", "ad"], None], ["b", "b"])
-    metrics, _ = trainer.train_step()
+    metrics = trainer.train_step()
     step = trainer.last_step
     group = next(g for g in step.groups if g.question.id == "q0")
     assert [m.demonstration for m in group.members] == [True, True, False, False]
@@ -119,11 +119,11 @@ def test_k_counts_the_policys_own_members_and_demonstrations_are_never_stored(ti
 
 def test_fallback_stops_guiding_a_question_once_the_policy_solves_it(tiny_policy, scripted_engine):
     trainer, _, _ = _trainer(tiny_policy, scripted_engine, [["ab"], ["ab"]], ["ab", "b"], mode="fallback")
-    first, _ = trainer.train_step()
+    first = trainer.train_step()
     assert first["guidance/demonstrations"] == 2  # each question's one demonstration
     assert trainer.experience.ever_correct == {"q0"}
     assert not trainer.experience.buffer.is_retired("q0")
-    second, _ = trainer.train_step()
+    second = trainer.train_step()
     assert second["guidance/demonstrations"] == 1  # q1 only: the policy has answered q0 correctly itself
     restored, _, _ = _trainer(tiny_policy, scripted_engine, [["ab"], ["ab"]], ["ab", "b"], mode="fallback")
     restored.load_state_dict(trainer.state_dict())
@@ -146,7 +146,7 @@ def test_the_delayed_start_reads_the_pass_at_1_of_the_policys_own_members(tiny_p
     # both questions: 2 correct demonstrations + 2 wrong own rollouts; counting demonstrations, Pass@1 = 0.5 > 0.35
     trainer, _, _ = _trainer(tiny_policy, scripted_engine, [["ab", "ac"], ["ab", "ac"]], ["b", "b"],
                              experience={"start_threshold": 0.35})
-    metrics, _ = trainer.train_step()
+    metrics = trainer.train_step()
     assert metrics["batch/pass_at_1"] == 0.5  # the step's members, demonstrations included
     assert trainer.experience.phase == "warmup"  # the policy's own Pass@1 is 0
 
@@ -154,7 +154,7 @@ def test_the_delayed_start_reads_the_pass_at_1_of_the_policys_own_members(tiny_p
 def test_replay_metrics_and_the_replay_policy_see_no_demonstrations(tiny_policy, scripted_engine):
     trainer, _, _ = _trainer(tiny_policy, scripted_engine, [["ab"], ["ab"]], ["b", "ab"],
                              experience={"start_threshold": 0.9, "replay_policy": "prioritized"})
-    metrics, _ = trainer.train_step()
+    metrics = trainer.train_step()
     assert metrics["guidance/demonstrations"] == 2
     assert not any(k.startswith("replay/") for k in metrics)  # no replayed trajectory in the step
     # q0: demo correct, own wrong -> k = 0; q1: demo correct, own "a", "b", "a" -> k = 2 of K

@@ -27,7 +27,8 @@ def prompt_ids(question: Question) -> list[int]:
 class FakeSource:
     """A RolloutSource that records what is submitted; a step's rollouts are one completion per member, [step]."""
 
-    def __init__(self):
+    def __init__(self, max_staleness: int):
+        self.max_staleness = max_staleness
         self.submitted: list[int] = []
         self.steps_begun = 0
 
@@ -59,8 +60,8 @@ def q(*steps: int) -> frozenset:
 
 
 def make(max_staleness: int, last_step: int = 100) -> tuple[Schedule, FakeSource, FakePlan]:
-    source, plan = FakeSource(), FakePlan()
-    return Schedule(source, plan, max_staleness, last_step), source, plan
+    source, plan = FakeSource(max_staleness), FakePlan()
+    return Schedule(source, plan, last_step), source, plan
 
 
 def test_step_t_plans_and_submits_the_steps_up_to_t_plus_s():
@@ -140,9 +141,9 @@ def test_a_step_in_flight_round_trips_with_its_replays_demonstrations_and_rollou
     rich = PlannedStep(6, MIXED, groups, version=4)
     sampled = Sampled(Rollouts([[1, 2], [3], [4], [5]], [False, True, False, False],
                                [[-0.1, -0.2], [-0.3], [-0.4], [-0.5]]), version=4)
-    source, plan = FakeSource(), FakePlan()
+    source, plan = FakeSource(max_staleness=1), FakePlan()
     schedule = Schedule(source, lambda step, in_flight, timer: rich if step == 6 else plan(step, in_flight, timer),
-                        max_staleness=1, last_step=100)
+                        last_step=100)
     source.submit = lambda planned: (lambda: sampled)
     schedule.next(5, StageTimer())  # step 6 in flight
     state = json.loads(json.dumps(schedule.state_dict()))

@@ -57,7 +57,7 @@ def test_warmup_switch_collection_and_replay(tmp_path):
     for _ in range(6):
         buffer_before = {q: {t.token_ids.tobytes(): t.logprobs for t in trainer.experience.buffer.trajectories(q)}
                          for q in trainer.experience.buffer.questions()}
-        metrics, _ = trainer.train_step()
+        metrics = trainer.train_step()
         log.append(metrics)
         for g in trainer.last_step.groups:
             replays = [m for m in g.members if m.replay is not None]
@@ -87,7 +87,7 @@ def test_entropy_of_replayed_and_fresh_correct_trajectories():
     trainer = _trainer(_config(train={"mini_batches": 1}))  # one mini-batch: the forward is the pre-update policy
     for _ in range(3):
         before = copy.deepcopy(trainer.model)
-        metrics, _ = trainer.train_step()
+        metrics = trainer.train_step()
     step = trainer.last_step
     members = [m for g in step.groups for m in g.members]
     correct = (step.rewards.total >= 1.0).reshape(-1)
@@ -301,7 +301,7 @@ def test_one_mixed_step_against_hand_computed_advantages_and_loss(tiny_policy, s
     trainer.experience.question_pool.load_state_dict(state)
     behaviour_q1 = current_logp("q1", encode("aaaa"))
 
-    metrics, _ = trainer.train_step()
+    metrics = trainer.train_step()
 
     step = trainer.last_step
     assert [g.question.id for g in step.groups] == ["q0", "q1"]

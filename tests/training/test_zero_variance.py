@@ -58,7 +58,7 @@ def test_zero_variance_is_an_exact_test_on_the_rewards():
 
 def test_keep_trains_on_every_group_and_counts_the_zero_variance_ones(tiny_policy, scripted_engine, questions):
     trainer, engine = _scripted(tiny_policy, scripted_engine, questions, ["ab", "bb"] * 4, zero="keep")
-    metrics, _ = trainer.train_step()
+    metrics = trainer.train_step()
     assert len(trainer.last_step.groups) == B and metrics["generation/rounds"] == 1
     assert metrics["generation/zero_variance_fraction"] == 0.5 and metrics["generation/rollouts"] == B * K
     assert metrics["generation/informative_groups"] == 2 and len(engine.calls) == 1
@@ -68,7 +68,7 @@ def test_backfill_drops_zero_variance_groups_and_rolls_out_fresh_ones(tiny_polic
     # 4 informative questions among 12; the all-"a" ones are solved K/K and retire even though they are dropped
     outcomes = ["ab", "bb", "aa", "bb", "ab", "bb", "aa", "ab", "bb", "ab", "bb", "aa"]
     trainer, engine = _scripted(tiny_policy, scripted_engine, questions, outcomes, rounds=6)
-    metrics, _ = trainer.train_step()
+    metrics = trainer.train_step()
     groups = trainer.last_step.groups
     assert len(groups) == B and not zero_variance(trainer.last_step.rewards.total).any()
     asked = metrics["generation/rollouts"] / K
@@ -85,7 +85,7 @@ def test_backfill_drops_zero_variance_groups_and_rolls_out_fresh_ones(tiny_polic
 
 def test_backfill_stops_at_the_round_budget_and_trains_on_what_it_has(tiny_policy, scripted_engine, questions):
     trainer, engine = _scripted(tiny_policy, scripted_engine, questions, ["bb"] * 20, rounds=3)
-    metrics, _ = trainer.train_step()
+    metrics = trainer.train_step()
     assert metrics["generation/rounds"] == 3 and len(engine.calls) == 3
     assert metrics["generation/rollouts"] == 3 * B * K and metrics["generation/informative_groups"] == 0
     # nothing informative: the last round's groups are trained on (A = 0), so the step still has a batch
@@ -113,7 +113,7 @@ def test_replace_from_buffer_refills_from_the_buffer_in_the_mixed_phase(tiny_pol
     for i in range(4):
         trainer.experience.buffer.update_group(f"q{i}", [True, False], [a, a], [np.zeros(len(a), np.float32)] * 2)
     trainer.experience.phase = MIXED
-    metrics, _ = trainer.train_step()
+    metrics = trainer.train_step()
     replayed = [g.question.id for g in trainer.last_step.groups if g.members[0].replay is not None]
     assert len(replayed) > 1  # one experiential question from experience.ratio, the others refilled
     assert len(set(replayed)) == len(replayed) and set(replayed) <= {"q0", "q1", "q2", "q3"}

@@ -21,6 +21,7 @@ BucketScheme = Literal["normal", "linear", "sqrt", "linear_clip", "uniform"]
 SelectionMetric = Literal["entropy", "entropy_sum", "perplexity", "random"]
 SelectionMode = Literal["argmin", "argmax"]
 ReplayPolicyName = Literal["exgrpo", "rlep", "prioritized", "prompt_replay"]
+EngineName = Literal["hf", "vllm", "servers"]
 
 
 @dataclass
@@ -85,7 +86,7 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["hf", "vllm", "servers"] = "hf"
+    engine: EngineName = "hf"
     """Rollout engine: hf (transformers generate on the training model), vllm (a vLLM engine of this run with its
     own copy of the weights, synced after every optimizer step; needs the vllm extra) or servers (`vllm serve`
     servers at rollout.servers, the weights pushed to them over vLLM's weight-transfer interface; docs/scale.md)."""

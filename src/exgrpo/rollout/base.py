@@ -14,7 +14,7 @@ check the sync and to correct for engine mismatch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -77,6 +77,7 @@ class RolloutEngine(Protocol):
         ...
 
 
+@runtime_checkable
 class WeightReceiver(Protocol):
     """The weight-receiving role of an engine holding its own copy of the weights (`holds_copy`)."""
 
@@ -96,6 +97,12 @@ class WeightReceiver(Protocol):
 
 class CopyHoldingEngine(RolloutEngine, WeightReceiver, Protocol):
     """An engine with both roles (`vllm`, `servers`)."""
+
+
+def weight_receiver(engine: RolloutEngine) -> WeightReceiver | None:
+    """The engine in its weight-receiving role, or None where it takes no pushes: it samples with the training
+    model (`hf`), or it samples through another engine that receives them (`RolloutWorker`'s)."""
+    return engine if isinstance(engine, WeightReceiver) else None
 
 
 def eos_token_ids(tokenizer) -> list[int]:

@@ -36,6 +36,7 @@ from exgrpo.rollout import weight_transfer
 from exgrpo.rollout.base import Rollouts, SamplingSettings, Weights, check_requests, eos_token_ids, vllm_sampling
 from exgrpo.rollout.push import Push
 from exgrpo.rollout.weights import base_model, check_pushable, pushed_weights
+from exgrpo.runtime.distributed import in_process_group
 
 #: what the run needs of a server's vLLM config (`/server_info?config_format=json`), beside the backend and dtype
 REQUIRED_SERVER_SETTINGS = {("model_config", "logprobs_mode"): "processed_logprobs",
@@ -318,7 +319,7 @@ class ServerEngine:
             raise EngineError(f"weight transfer {backend}: only {weight_transfer.GLOO_BACKEND} is built so far")
         self.max_concurrency, self.request_timeout = max_concurrency, request_timeout
         self.eos_ids = eos_token_ids(tokenizer)
-        self.rank = torch.distributed.get_rank() if _launched() else 0
+        self.rank = torch.distributed.get_rank() if in_process_group() else 0
         self.servers = ServerPool(urls, timeout=push_timeout)
         self.push = self.weights_version = None
         try:
@@ -354,7 +355,7 @@ class ServerEngine:
         labelled `version`, and confirm every server holds them. Given a `snapshot` (on rank 0), rank 0 sends it
         alone: no other rank takes part."""
         self.push(version, snapshot)
-        if snapshot is None and _launched():
+        if snapshot is None and in_process_group():
             torch.distributed.barrier()  # no rank samples before the servers hold the new version
         self.weights_version = version
 
@@ -408,7 +409,3 @@ class ServerEngine:
             self.push = None
         self.servers.close()
 
-
-def _launched() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized() \
-        and torch.distributed.get_world_size() > 1

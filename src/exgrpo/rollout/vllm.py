@@ -60,6 +60,7 @@ from exgrpo.errors import EngineError
 from exgrpo.rollout.base import Rollouts, SamplingSettings, Weights, check_requests, eos_token_ids, vllm_sampling
 from exgrpo.rollout.push import InProcessTransport, Push, ShmTransport
 from exgrpo.rollout.weights import base_model, check_pushable, pushed_weights
+from exgrpo.runtime.distributed import in_process_group
 from exgrpo.runtime.scratch import owned_temp_dir
 
 _BLOCK = 32
@@ -156,8 +157,7 @@ class VLLMEngine:
         self.eos_ids = eos_token_ids(tokenizer)
         self.cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
-        launched = torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() > 1
+        launched = in_process_group()
         self._dir, self.push, self.weights_version = owned_temp_dir("exgrpo-vllm-"), None, 0
         try:
             config = self._write_model()

@@ -74,6 +74,11 @@ class Distributed:
             dist.barrier()
 
 
+def in_process_group() -> bool:
+    """Whether this process is one of several ranks of an initialised process group (launched by torchrun)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def launched_rank() -> int:
     """This process's rank as the launcher set it (0 without a launcher), before the process group exists."""
     return int(os.environ.get("RANK", "0"))

@@ -95,11 +95,21 @@ def _write_sessions(run_dir: str | Path, sessions: list[dict]) -> None:
         raise RunDirectoryError(f"cannot write {path}: {os_cause(e)}") from None
 
 
+#: the code of steps no recorded session ran (a run resumed after its provenance.json went)
+UNRECORDED_CODE = {"exgrpo": None, "git": "not recorded"}
+
+
 def start_session(run_dir: str | Path, step: int) -> None:
-    """Append a session starting (or resuming) the run at `step`, run by the code running now."""
+    """Append a session starting (or resuming) the run at `step`, run by the code running now. A resume that finds
+    no session recorded first records that the steps before `step` ran by code nobody recorded."""
+    sessions = read_sessions(run_dir)
+    if step and not sessions:
+        sessions = [{"started": f"not recorded ({PROVENANCE} was missing when the run resumed at step {step})",
+                     "from_step": 0, "host": None, "code": UNRECORDED_CODE, "ended": None, "to_step": step,
+                     "stopped_by": None}]
     session = {"started": _now(), "from_step": step, "host": socket.gethostname(), "code": code_identity(),
                "ended": None, "to_step": None, "stopped_by": None}
-    _write_sessions(run_dir, [*read_sessions(run_dir), session])
+    _write_sessions(run_dir, [*sessions, session])
 
 
 def end_session(run_dir: str | Path, step: int, stopped_by: str | None) -> None:
@@ -114,6 +124,8 @@ def end_session(run_dir: str | Path, step: int, stopped_by: str | None) -> None:
 def code_label(code: dict) -> str:
     """A session's code in a few words: version, short commit and whether the tree was dirty."""
     git = code["git"]
+    if code["exgrpo"] is None:  # UNRECORDED_CODE
+        return "not recorded"
     if isinstance(git, str):
         return f"exgrpo {code['exgrpo']}, no git checkout found"
     return f"exgrpo {code['exgrpo']} at {git['commit'][:7]}" + (" (dirty tree)" if git["dirty"] else "")

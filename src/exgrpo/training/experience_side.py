@@ -52,7 +52,10 @@ class ExperienceSide:
                  tokenizer, score: ScoreCandidates):
         c, e = config, config.experience
         _refuse_fewer_questions_than_a_step(len(questions), c.train.prompts_per_step)
-        self.config, self.prompt_ids, self.score, self.K = c, prompt_ids, score, c.rollout.num_generations
+        self.prompt_ids, self.score, self.K = prompt_ids, score, c.rollout.num_generations
+        self.seed, self.batch_size, self.start_threshold = c.train.seed, c.train.prompts_per_step, e.start_threshold
+        self.replays = e.ratio > 0  # experience.ratio 0 is plain GRPO: never the mixed phase
+        self.experiential_per_step = num_experiential(self.batch_size, self.batch_size, e.ratio)
         self.buffer = ExperienceBuffer.from_config(e, self.K)
         self.question_pool = QuestionPool(questions, c.train.seed, retirement=self.buffer,
                                           at_epoch_boundary=e.retirement == "released",
@@ -69,11 +72,11 @@ class ExperienceSide:
              timer: StageTimer | None = None) -> PlannedStep:
         """Stages 1-2 for step `step`: its experiential and fresh questions (none of those `in_flight`) and their
         groups, replays and demonstrations included, from the buffer and phase as they are now."""
-        c, timer = self.config, timer or StageTimer()
-        rng = np.random.default_rng([c.train.seed, step])
+        timer = timer or StageTimer()
+        rng = np.random.default_rng([self.seed, step])
         with timer("buffer"):
             experiential = self.sample_experiential(rng, step, exclude=in_flight) if self.phase == MIXED else []
-        fresh = self.question_pool.draw(c.train.prompts_per_step - len(experiential), exclude=in_flight)
+        fresh = self.question_pool.draw(self.batch_size - len(experiential), exclude=in_flight)
         groups = self.build_groups(experiential, fresh, self.phase, rng, timer, step)
         return PlannedStep(step, self.phase, groups, version, rng)
 
@@ -81,9 +84,7 @@ class ExperienceSide:
                             exclude: frozenset[str] = frozenset()) -> list[Question]:
         """Up to n (default floor(B * ratio)) questions to re-ask in step `step`, drawn by the replay policy
         (ExGRPO: from the correctness buckets), none of them in `exclude`."""
-        c = self.config
-        if n is None:
-            n = num_experiential(c.train.prompts_per_step, c.train.prompts_per_step, c.experience.ratio)
+        n = self.experiential_per_step if n is None else n
         return [self.question_pool.questions[qid] for qid in self.replay_policy.experiential(n, rng, step, exclude)]
 
     def build_groups(self, experiential: list[Question], fresh: list[Question], phase: str,
@@ -134,7 +135,7 @@ class ExperienceSide:
 
     def collect_step(self, planned: PlannedStep, groups: list[Group], correct: np.ndarray,
                      completion_mask: torch.Tensor, old_logp: torch.Tensor, version: int) -> None:
-        """Stage 10: the trained groups into the buffer (`collect`) in the mixed phase; nothing in the warm-up.
+        """Stage 11: the trained groups into the buffer (`collect`) in the mixed phase; nothing in the warm-up.
         `completion_mask`: (G*K, T) of the packed batch."""
         if planned.phase == MIXED:
             self.collect(groups, correct, completion_mask.sum(-1).to(torch.long).tolist(), old_logp,
@@ -160,8 +161,7 @@ class ExperienceSide:
 
     def switch_phase(self, pass_at_1: float) -> None:
         """The delayed start: switch for good to the mixed phase once batch Pass@1 > start_threshold (strict)."""
-        e = self.config.experience
-        if self.phase == WARMUP and e.ratio > 0 and pass_at_1 > e.start_threshold:
+        if self.phase == WARMUP and self.replays and pass_at_1 > self.start_threshold:
             self.phase = MIXED
 
     # ------------------------------------------------------------------ state

@@ -20,6 +20,7 @@ from exgrpo.errors import EngineError
 from exgrpo.records import Group, GroupRewards, Member, PlannedStep, own_members
 from exgrpo.rewards.scorer import GroupScorer
 from exgrpo.rollout import RolloutEngine, Rollouts, SamplingSettings, derive_seed
+from exgrpo.rollout.base import weight_receiver
 from exgrpo.rollout.worker import Sampled
 from exgrpo.runtime.distributed import Distributed
 from exgrpo.runtime.timing import StageTimer
@@ -116,6 +117,7 @@ class GenerationRounds:
         self.success_threshold, self.dist = success_threshold, distributed
         self.refills = ZERO_VARIANCE_RULES[zero_variance].refills
         self.weights = contextlib.nullcontext if engine.holds_copy else weights
+        self.receiver = weight_receiver(engine)  # whose weights_version its samples come from
         self.max_rounds = max_rounds if self.refills else 1
 
     @classmethod
@@ -183,8 +185,8 @@ class GenerationRounds:
         engine_logp = rollouts.logprobs or [None] * len(prompts)
         sampled = self.dist.gather(list(zip(rollouts.completion_ids, rollouts.truncated, engine_logp)))
         ids, truncated, logprobs = (list(column) for column in zip(*sampled)) if sampled else ([], [], [])
-        return Sampled(Rollouts(ids, truncated, logprobs), self.engine.weights_version if self.engine.holds_copy
-                       else version)
+        return Sampled(Rollouts(ids, truncated, logprobs), version if self.receiver is None
+                       else self.receiver.weights_version)
 
     def requests(self, groups: Sequence[Group], step: int, first_group: int = 0) -> tuple[list, list[int]]:
         """The (prompt ids, seeds) of the samples that fill `groups` up to K members; group i is the step's

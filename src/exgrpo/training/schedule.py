@@ -29,7 +29,7 @@ from exgrpo.config.rules import ASYNC_ACROSS_RANKS_NEEDS_SERVERS, ASYNC_NEEDS_IT
 from exgrpo.data import Question
 from exgrpo.records import Group, Member, Trajectory
 from exgrpo.rollout import RolloutEngine, Rollouts
-from exgrpo.rollout.base import Weights
+from exgrpo.rollout.base import Weights, weight_receiver
 from exgrpo.rollout.worker import RolloutWorker, Sampled
 from exgrpo.runtime.distributed import Distributed
 from exgrpo.runtime.timing import StageTimer
@@ -41,6 +41,8 @@ Wait = Callable[[], Sampled]  # a planned step's rollouts, sampled or waited for
 
 
 class RolloutSource(Protocol):
+    max_staleness: int  # s: steps between planning a step and training on it (0: sync)
+
     def submit(self, planned: PlannedStep) -> Wait:
         """Start (or defer) sampling the members that fill the planned step's groups."""
         ...
@@ -75,17 +77,20 @@ class InlineSource:
     weights gathered (`full_weights`), whenever their version changes (not when every optimizer step of a step was
     skipped: nothing changed)."""
 
+    max_staleness = 0  # each step is planned and sampled when it trains
+
     def __init__(self, generation: GenerationRounds, full_weights: Callable[[], ContextManager]):
         self.generation, self.engine, self.full_weights = generation, generation.engine, full_weights
+        self.receiver = weight_receiver(self.engine)
         self._version = 0  # the engine starts from the learner's weights before any optimizer step
 
     def submit(self, planned: PlannedStep) -> Wait:
         return lambda: self.generation.sample(planned.groups, planned.step, version=planned.version)
 
     def push(self, version: int) -> None:
-        if version != self._version and self.engine.holds_copy:
+        if version != self._version and self.receiver is not None:
             with self.full_weights():
-                self.engine.push_weights(version)
+                self.receiver.push_weights(version)
         self._version = version
 
     def weights_read(self) -> None:
@@ -117,13 +122,14 @@ class ThreadedSource:
     torchrun stops the other ranks.
     """
 
-    def __init__(self, worker: RolloutWorker, generation: GenerationRounds,
+    def __init__(self, worker: RolloutWorker, generation: GenerationRounds, max_staleness: int,
                  distributed: Distributed = Distributed(),
                  full_weights: Callable[[], ContextManager] = contextlib.nullcontext,
                  snapshot: Callable[[], Weights] | None = None):
         if not distributed.is_main:
             raise ValueError("the rollout worker runs on rank 0 (the other ranks follow it: FollowingSource)")
         self.worker, self.generation, self.dist, self._push = worker, generation, distributed, None
+        self.max_staleness = max_staleness
         self.full_weights, self.snapshot = full_weights, snapshot
 
     def submit(self, planned: PlannedStep) -> Wait:
@@ -163,8 +169,8 @@ class FollowingSource:
     """rollout.mode async under torchrun, ranks other than 0: rank 0's worker samples (`ThreadedSource`); this rank
     receives each step's rollouts from it and joins the gather of the full weights at every push."""
 
-    def __init__(self, distributed: Distributed, full_weights: Callable[[], ContextManager]):
-        self.dist, self.full_weights = distributed, full_weights
+    def __init__(self, distributed: Distributed, full_weights: Callable[[], ContextManager], max_staleness: int):
+        self.dist, self.full_weights, self.max_staleness = distributed, full_weights, max_staleness
 
     def submit(self, planned: PlannedStep) -> Wait:
         return self.dist.broadcast  # rank 0's rollouts
@@ -223,33 +229,34 @@ class _Received:
 def rollout_source(config: ExGRPOConfig, engine: RolloutEngine, generation: GenerationRounds,
                    full_weights: Callable[[], ContextManager], distributed: Distributed,
                    snapshot: Callable[[], Weights]) -> RolloutSource:
-    """Where rollouts are sampled, chosen once: inline (sync), or on a worker thread, `max_staleness` steps ahead
-    (async; docs/async.md): rank 0's under torchrun, sampling from servers (docs/scale.md), which take a
+    """Where rollouts are sampled, chosen once: inline (sync), or on a worker thread, rollout.max_staleness steps
+    ahead (async; docs/async.md): rank 0's under torchrun, sampling from servers (docs/scale.md), which take a
     `snapshot` of the full weights that every rank helped gather."""
-    if config.rollout.mode == "sync":
+    r = config.rollout
+    if r.mode == "sync":
         return InlineSource(generation, full_weights)
-    if not engine.holds_copy:
+    receiver = weight_receiver(engine)
+    if receiver is None:
         raise ConfigError(ASYNC_NEEDS_ITS_OWN_ENGINE)
-    if distributed.enabled and not engine.takes_snapshots:
+    if distributed.enabled and not receiver.takes_snapshots:
         raise ConfigError(ASYNC_ACROSS_RANKS_NEEDS_SERVERS)
     if not distributed.is_main:
-        return FollowingSource(distributed, full_weights)
-    worker = RolloutWorker(engine, config.rollout.generation_timeout)
-    return ThreadedSource(worker, generation, distributed, full_weights, snapshot if distributed.enabled else None)
+        return FollowingSource(distributed, full_weights, r.max_staleness)
+    return ThreadedSource(RolloutWorker(engine, r.generation_timeout), generation, r.max_staleness, distributed,
+                          full_weights, snapshot if distributed.enabled else None)
 
 
 class Schedule:
-    """Keeps the steps up to t + max_staleness planned and their generation submitted to the source.
+    """Keeps the steps up to t + s planned and their generation submitted to the source (s: its max_staleness).
 
     Args:
         source: where rollouts are sampled.
         plan: forms a step's groups, leaving out questions in flight.
-        max_staleness: s, steps between planning a step and training on it (0: sync).
         last_step: steps past this one are never planned (train.steps).
     """
 
-    def __init__(self, source: RolloutSource, plan: Plan, max_staleness: int, last_step: int):
-        self.source, self._plan, self.max_staleness, self.last_step = source, plan, max_staleness, last_step
+    def __init__(self, source: RolloutSource, plan: Plan, last_step: int):
+        self.source, self._plan, self.max_staleness, self.last_step = source, plan, source.max_staleness, last_step
         self._in_flight: collections.deque[tuple[PlannedStep, Wait]] = collections.deque()
 
     def next(self, step: int, timer: StageTimer) -> tuple[PlannedStep, Wait]:

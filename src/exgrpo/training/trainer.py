@@ -36,9 +36,9 @@ import numpy as np
 import torch
 
 from exgrpo.config import ExGRPOConfig
-from exgrpo.data import PromptEncoder, Question, drop_long_prompts
+from exgrpo.data import PromptEncoder, Question
 from exgrpo.errors import Shutdown
-from exgrpo.evaluation.contamination import screen_benchmark_questions
+from exgrpo.evaluation.contamination import usable_questions
 from exgrpo.evaluation.heldout import Accuracy, evaluate_accuracy
 from exgrpo.experience.buffer import read_state, write_state
 from exgrpo.learner.objective import group_advantages
@@ -98,8 +98,8 @@ class ExGRPOTrainer:
         if c.train.threads:
             torch.set_num_threads(c.train.threads)
         self.prompt_ids = PromptEncoder.from_config(tokenizer, c.data)
-        train_dataset = self._screen(train_dataset, "training")
-        self.eval_dataset = self._screen(eval_dataset or [], "held-out")
+        train_dataset = usable_questions(train_dataset, c.data, self.prompt_ids, "training")
+        self.eval_dataset = usable_questions(eval_dataset or [], c.data, self.prompt_ids, "held-out")
         self.engine = engine or engine_from_config(c, model, tokenizer, lambda: c.data.max_prompt_length or max(
             (len(self.prompt_ids(q)) for q in [*train_dataset, *self.eval_dataset]), default=0))
         self.experience = ExperienceSide(c, train_dataset, self.prompt_ids, tokenizer, score=self._score_candidates)
@@ -110,25 +110,17 @@ class ExGRPOTrainer:
                                                        weights=self.learner.rollout_weights)
         self.source = rollout_source(c, self.engine, self.generation, self.learner.full_weights, self.dist,
                                      functools.partial(copied_weights, self.model))
-        staleness = c.rollout.max_staleness if c.rollout.mode == "async" else 0  # sync: plan and sample each step
         self.schedule = Schedule(self.source, lambda step, in_flight, timer: self.experience.plan(
-            step, self.learner.weights_version, in_flight, timer), staleness, c.train.steps)
+            step, self.learner.weights_version, in_flight, timer), c.train.steps)
         self.parity = ParityProbe.from_config(c, self.engine)
         self.entropy_drift = EntropyDriftWatch(c)
         self.step, self._resumed, self.stopped_by, self.history = 0, False, None, []  # history: per-step metrics
         self.last_step: StepRecord | None = None
         self.last_evaluation: Accuracy | None = None  # the latest periodic evaluation
 
-    def _screen(self, questions: Sequence[Question], which: str) -> list[Question]:
-        """The questions the run may use: benchmark test questions handled as data.benchmark_overlap says, and,
-        with data.max_prompt_length, longer prompts dropped (released) with a warning."""
-        d = self.config.data
-        kept = screen_benchmark_questions(questions, d.benchmark_overlap, f"{which} questions", d.prompt_suffix)
-        return drop_long_prompts(kept, self.prompt_ids, d.max_prompt_length, which) if d.max_prompt_length else kept
-
     # ------------------------------------------------------------------ the algorithm
-    def train_step(self) -> tuple[dict, list[dict]]:
-        """One step of ExGRPO, numbered as in the module docstring; returns its metrics and example completions."""
+    def train_step(self) -> dict:
+        """One step of ExGRPO, numbered as in the module docstring; returns its metrics."""
         c, timer, start = self.config, StageTimer(), time.perf_counter()
         planned, first_round = self.schedule.next(self.step, timer)  # 1-2 (planned max_staleness steps ahead)
         generated = self.generation(planned, first_round, self.experience, timer)  # 3-6
@@ -144,7 +136,9 @@ class ExGRPOTrainer:
         self.experience.switch_phase(generated.stats.first_round_pass_at_1)  # 12
         record = StepRecord(planned.phase, generated.groups, generated.rewards, generated.correct, advantages,
                             batch, update, generated.stats)
-        return self._metrics(record, planned, version, timer, time.perf_counter() - start)  # 13
+        metrics = self._metrics(record, planned, version, timer, time.perf_counter() - start)  # 13
+        self.step, self.last_step = self.step + 1, record  # the step is done
+        return metrics
 
     def _update(self, batch, advantages: torch.Tensor, phase: str, timer: StageTimer):
         """Stage 9, once the last push no longer reads the weights it changes."""
@@ -152,12 +146,10 @@ class ExGRPOTrainer:
         return self.learner(batch, advantages.reshape(-1), phase,
                             np.random.default_rng([self.config.train.seed, self.step, 2]), timer)
 
-    def _metrics(self, record: StepRecord, planned, version: int, timer: StageTimer,
-                 elapsed: float) -> tuple[dict, list[dict]]:
-        """Stage 13, and the step counted done: its metrics (with the engine parity probe's, the source's and the
-        replica check's) and, every logging.sample_every steps, example completions."""
+    def _metrics(self, record: StepRecord, planned, version: int, timer: StageTimer, elapsed: float) -> dict:
+        """Stage 13: the metrics of step `self.step` (0-based here, 1-based in what is logged), with the engine parity
+        probe's, the source's and the replica check's."""
         c, experience, step = self.config, self.experience, self.step
-        self.step, self.last_step = step + 1, record
         metrics = step_metrics(record, experience.buffer, step=step, version=version,
                                fresh_remaining=experience.question_pool.remaining,
                                ever_correct=len(experience.ever_correct), learning_rate=self.learner.learning_rate,
@@ -167,11 +159,10 @@ class ExGRPOTrainer:
             metrics.update(self.parity(step, record.batch.engine_logp, record.batch.engine_mask,
                                        record.update.old_logp))
         metrics.update(self.source.step_metrics(record.groups, version))
-        self.entropy_drift.observe(self.step, metrics)
+        self.entropy_drift.observe(step + 1, metrics)
         if c.train.check_replicas:
-            metrics.update(check_replicas(self.dist, self.step, experience.buffer.fingerprint(), self.learner.replica))
-        log_samples = c.logging.sample_every and self.step % c.logging.sample_every == 0
-        return metrics, sample_lines(record.groups, record.rewards.total, self.tokenizer) if log_samples else []
+            metrics.update(check_replicas(self.dist, step + 1, experience.buffer.fingerprint(), self.learner.replica))
+        return metrics
 
     def _score_candidates(self, pairs: list[tuple[Question, Trajectory]], metric: TrajectoryScore) -> list[float]:
         """Selection scores of (question, stored trajectory) pairs; each rank scores a shard, all get every score."""
@@ -231,7 +222,7 @@ class ExGRPOTrainer:
     def _run_step(self, tracker: Tracker | None, on_step: Callable[[int, dict], None] | None) -> None:
         """A step plus what follows it: periodic evaluation, logging, checkpointing."""
         c = self.config
-        metrics, samples = self.train_step()
+        metrics = self.train_step()
         last = self.step >= c.train.steps or self.experience.question_pool.remaining == 0  # the run ends with this step
         if c.eval.every and self.eval_dataset and (self.step % c.eval.every == 0 or last):
             accuracy = self.last_evaluation = self.evaluate()
@@ -242,8 +233,9 @@ class ExGRPOTrainer:
         self.history.append(metrics)
         if tracker:
             tracker.log(self.step, metrics)
-            if samples:
-                tracker.log_samples(self.step, samples)
+            if c.logging.sample_every and self.step % c.logging.sample_every == 0:
+                record = self.last_step
+                tracker.log_samples(self.step, sample_lines(record.groups, record.rewards.total, self.tokenizer))
         if c.train.save_every and self.step % c.train.save_every == 0:
             self.save()
         if on_step is not None:
