@@ -4,20 +4,26 @@ checkpoint's stored config with the one a resume asks for."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 from exgrpo.config.renamed import rename_fields
 from exgrpo.config.schema import ExGRPOConfig
 
-# Changing these on resume leaves the algorithm as it was: length, bookkeeping, memory, speed and sharding.
-RESUMABLE_CHANGES = ("train.steps", "train.save_every", "train.save_total_limit", "train.threads",
-                     "train.check_replicas", "train.max_skipped_optimizer_steps", "train.micro_batch_size",
-                     "train.max_tokens_per_micro_batch", "train.logprob_chunk_tokens", "train.activation_checkpointing",
-                     "train.sharding",
-                     "rollout.generation_batch_size", "rollout.gpu_memory_utilization", "rollout.kv_cache_gb",
-                     "rollout.push_timeout", "rollout.generation_timeout", "rollout.parity_every",
-                     "rollout.parity_threshold",
-                     "experience.selection_batch_size", "reward.workers",
-                     "reward.timeout", "eval.", "logging.")
+def _resumable_fields(section, prefix: str = "") -> tuple[str, ...]:
+    """The dotted names of the fields marked resumable in the schema (`exgrpo.config.schema.resumable`); a marked
+    section ends in "." (every field under it)."""
+    names = []
+    for f in dataclasses.fields(section):
+        is_section = dataclasses.is_dataclass(f.default_factory)
+        if f.metadata.get("resumable"):
+            names.append(prefix + f.name + ("." if is_section else ""))
+        elif is_section:
+            names += _resumable_fields(f.default_factory, f"{f.name}.")
+    return tuple(names)
+
+
+#: Changing these on resume leaves the algorithm as it was: length, bookkeeping, memory, speed and sharding.
+RESUMABLE_CHANGES = _resumable_fields(ExGRPOConfig)
 
 
 # What a config written before a field existed meant by its absence, where that differs from the field's default

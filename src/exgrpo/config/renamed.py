@@ -3,14 +3,17 @@ a stored run config), saying so once per use."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
+from exgrpo.config.schema import ExGRPOConfig
 from exgrpo.errors import ConfigError
 
-#: renamed fields, old dotted name -> new: a file, an override or a stored run config (`--resume`) that still uses
-#: the old name is read with the new one, saying so once
-RENAMED = {"rollout.sync_timeout": "rollout.push_timeout", "experience.policy": "experience.replay_policy",
-           "train.max_skipped_updates": "train.max_skipped_optimizer_steps"}
+#: renamed fields, old dotted name -> new, from the schema (a field's `formerly`): a file, an override or a stored
+#: run config (`--resume`) that still uses the old name is read with the new one, saying so once
+RENAMED = {f"{section.name}.{f.metadata['formerly']}": f"{section.name}.{f.name}"
+           for section in dataclasses.fields(ExGRPOConfig) for f in dataclasses.fields(section.default_factory)
+           if f.metadata.get("formerly")}
 
 
 def renamed_key(dotted: str) -> str:

@@ -23,6 +23,20 @@ SelectionMode = Literal["argmin", "argmax"]
 ReplayPolicyName = Literal["exgrpo", "rlep", "prioritized", "prompt_replay"]
 EngineName = Literal["hf", "vllm", "servers"]
 
+# What a field says of itself beyond its type, default and text (dataclass field metadata): whether a resumed run may
+# change it (`exgrpo.config.changes`) and its former name (`exgrpo.config.renamed`).
+RESUMABLE = {"resumable": True}  # a change on resume leaves the algorithm as it was: length, bookkeeping, speed, memory
+
+
+def resumable(default, formerly: str | None = None):
+    """A field a resumed run may change; `formerly`: its old name in the same section, still read as this one."""
+    return field(default=default, metadata={**RESUMABLE, "formerly": formerly})
+
+
+def renamed(default, formerly: str):
+    """A field that was called `formerly` in the same section, still read as this one."""
+    return field(default=default, metadata={"formerly": formerly})
+
 
 @dataclass
 class LoraConfig:
@@ -110,21 +124,21 @@ class RolloutConfig:
     max_model_len: int | None = None
     """vllm, servers (`exgrpo serve`): prompt + completion tokens per sequence; null: data.max_prompt_length (else
     the longest prompt in the data) + max_completion_length."""
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float = resumable(0.5)
     """vllm on CUDA: the share of GPU memory the colocated engine may take (weights and KV cache)."""
-    kv_cache_gb: float | None = None
+    kv_cache_gb: float | None = resumable(None)
     """vllm on CPU: KV-cache memory in GiB; null: room for generation_batch_size full-length sequences."""
-    push_timeout: float = 120.0
+    push_timeout: float = resumable(120.0, formerly="sync_timeout")
     """vllm, servers: seconds one weight push into the engine (each of its requests to a server) may take before the
     run stops with an error. Formerly rollout.sync_timeout, still read as this."""
-    generation_timeout: float = 3600.0
+    generation_timeout: float = resumable(3600.0)
     """async: seconds the learner waits for any one result of the rollout worker (a step's rollouts, a whole
     held-out evaluation, or a push queued behind them) before the run stops with an error: set it above the
     longest of them."""
-    parity_every: int = 1
+    parity_every: int = resumable(1)
     """vllm: every N steps compare the engine's sampling log-probs with the trainer's on the same tokens (logged
     as rollout/logp_diff_*); 0 never."""
-    parity_threshold: float | None = None
+    parity_threshold: float | None = resumable(None)
     """vllm: stop when the mean absolute log-prob difference exceeds this (a gross mismatch between engine and
     trainer); null: the measured default of the precision pair (0.01 nats fp32/fp32, 0.25 with bf16; see
     exgrpo.rollout.parity)."""
@@ -138,7 +152,7 @@ class RolloutConfig:
     """Nucleus sampling threshold; 1 disables it."""
     top_k: int = 0
     """0 disables top-k."""
-    generation_batch_size: int = 256
+    generation_batch_size: int = resumable(256)
     """Sequences per generate call (memory bound); servers: requests in flight per server."""
     zero_variance: ZeroVariance = "keep"
     """Groups whose K rewards are all equal (no gradient): keep them with A = 0 (released); backfill: drop them and
@@ -163,9 +177,9 @@ class RewardConfig:
     """A reward function 'module:name' (TRL's signature) used instead of the grader."""
     think_gate: bool = False
     """Answer = text after the first </think>; missing </think> scores 0 (released training reward: true)."""
-    workers: int = 2
+    workers: int = resumable(2)
     """Grading processes; 0 grades in the training process."""
-    timeout: float = 5.0
+    timeout: float = resumable(5.0)
     """Seconds a grading worker may spend on one completion before it scores 0 (and the worker is replaced)."""
     success_threshold: float = 1.0
     """A rollout counts as correct (for k, buckets, retirement, Pass@1) when its reward >= this."""
@@ -219,7 +233,7 @@ class ObjectiveConfig:
 class ExperienceConfig:
     ratio: float = 0.5
     """Fraction of each batch's questions drawn from the buffer; 0 gives plain GRPO."""
-    replay_policy: ReplayPolicyName = "exgrpo"
+    replay_policy: ReplayPolicyName = renamed("exgrpo", formerly="policy")
     """The replay policy (docs/replay.md): exgrpo (buckets + one replayed trajectory per experiential group), rlep
     (every fresh question with stored successes replays one; no experiential questions), prioritized (re-ask
     questions with priority p(1-p), all members fresh), prompt_replay (re-ask bucket-sampled questions, all
@@ -255,7 +269,7 @@ class ExperienceConfig:
     """Keep only a question's newest N trajectories; null keeps all (released: unbounded)."""
     max_questions: int | None = None
     """Hold at most N questions, evicting the least recently updated; null is unbounded (released)."""
-    selection_batch_size: int = 32
+    selection_batch_size: int = resumable(32)
     """Candidates per no-grad scoring forward."""
 
 
@@ -276,27 +290,27 @@ class GuidanceConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 700
+    steps: int = resumable(700)
     """Training steps (each: one batch of prompts_per_step questions, mini_batches optimizer steps)."""
     prompts_per_step: int = 128
     """B: questions per step (experiential + fresh)."""
     mini_batches: int = 2
     """Optimizer steps per training step (released: 2 mini-batches of 64 questions)."""
-    micro_batch_size: int = 64
+    micro_batch_size: int = resumable(64)
     """Sequences per forward/backward (at most); gradients accumulate over a mini-batch."""
-    max_tokens_per_micro_batch: int | None = None
+    max_tokens_per_micro_batch: int | None = resumable(None)
     """Also cap each micro-batch at this many padded tokens (rows x (prompt + completion) width), packing rows by
     length (like verl's dynamic batch size: 32768 per GPU in the released run); null caps rows only."""
-    logprob_chunk_tokens: int | None = None
+    logprob_chunk_tokens: int | None = resumable(None)
     """Compute the output head, log-softmax and entropy this many completion tokens at a time (recomputed in
     backward), so (tokens x vocabulary) logits never exist at once; null computes them in one go."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """Compute precision: bf16 runs forward and backward in bfloat16 over fp32 master weights and optimizer
     state (log-probs, ratios and the loss stay fp32); needs model.dtype float32."""
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = resumable(False)
     """Recompute each decoder layer's activations in backward (transformers' gradient checkpointing) instead of
     storing them."""
-    sharding: Literal["ddp", "fsdp"] = "ddp"
+    sharding: Literal["ddp", "fsdp"] = resumable("ddp")
     """Data parallelism: ddp replicates the model on every rank; fsdp shards parameters, gradients and optimizer
     state with FSDP2 (per decoder layer). One process: no effect."""
     learning_rate: float = 1e-6
@@ -315,7 +329,7 @@ class TrainConfig:
     """Clip the global gradient norm to this."""
     skip_grad_norm: float = 500.0
     """Skip the update when the grad norm is non-finite or above this (.inf: never skip a finite one)."""
-    max_skipped_optimizer_steps: int = 5
+    max_skipped_optimizer_steps: int = resumable(5, formerly="max_skipped_updates")
     """Stop with an error once more optimizer steps than this have been skipped in the run."""
     zero_advantage_steps: Literal["apply", "skip"] = "apply"
     """A mini-batch whose advantages are all 0 (every group's K rewards equal) has no policy-gradient signal: its
@@ -324,13 +338,13 @@ class TrainConfig:
     leave the weights and AdamW's moments as they are (the schedule still advances)."""
     seed: int = 47
     """Seeds the data order, batch composition, rollouts and held-out sampling."""
-    save_every: int = 50
+    save_every: int = resumable(50)
     """Checkpoint every N steps (and at the end, and on SIGINT/SIGTERM); 0 checkpoints only at the end."""
-    save_total_limit: int = 2
+    save_total_limit: int = resumable(2)
     """Keep the newest N checkpoints."""
-    threads: int = 0
+    threads: int = resumable(0)
     """torch CPU threads; 0 leaves torch's default."""
-    check_replicas: bool = False
+    check_replicas: bool = resumable(False)
     """Data parallel: after every step compare the ranks' buffer and parameter hashes, fail on a mismatch."""
 
 
@@ -383,9 +397,9 @@ class ExGRPOConfig:
     """External guidance: reference solutions from the data as off-policy group members."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Batching, optimizer, schedule, seeds, checkpoints."""
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig, metadata=RESUMABLE)
     """Periodic held-out evaluation."""
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig, metadata=RESUMABLE)
     """The run directory and where metrics go."""
 
     def __post_init__(self) -> None:
