@@ -9,7 +9,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from exgrpo.rewards.graders import grade_choice, grade_math, score_reasoning_gym
+from exgrpo.rewards.graders import grade_math
+from exgrpo.rewards.task_graders import grade_choice, score_reasoning_gym
 from exgrpo.rewards.pool import GradingPool
 
 RewardFunc = Callable[..., list]

@@ -72,6 +72,16 @@ def grade_oat(text: str, gold: str) -> float:
     return float(oat_equal(answer, gold))
 
 
+def grade_math_boxed(completion: str, gold: str) -> float:
+    """The paper's evaluation label (spec §8): the released evaluation grader (OAT's ``boxed_reward_fn`` with
+    ``fast=False``) on the last \\boxed{...}; no box is 0.0. See the module docstring.
+
+    Unlike `grade_math`, neither an earlier box nor a bare number elsewhere in the text counts, and an answer
+    written as arithmetic is graded as the released grader grades it (never as a restatement).
+    """
+    return grade_oat(completion, gold)
+
+
 def oat_equal(answer: str, gold: str) -> bool:
     """Whether a boxed `answer` equals `gold`: the three checks of the module docstring, in order."""
     return hendrycks_equal(answer, gold) or sympy_equal(answer, gold) or math_verify_equal(answer, gold)
