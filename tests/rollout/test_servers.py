@@ -217,6 +217,27 @@ def test_two_learner_ranks_on_two_servers_match_one_process(tmp_path, servers, m
 
 
 @pytest.mark.slow
+def test_every_rank_refuses_a_half_loaded_server_at_once_in_one_line(tmp_path, servers):
+    """A push interrupted by a killed rank leaves a server labelled half loaded: the next run on two ranks refuses it
+    on both ranks in its first line, before any rank waits for the others (rank 1 used to wait out a collective and
+    bury rank 0's line under its traceback)."""
+    urls, _ = servers
+    pool = ServerPool(urls[:1], timeout=30)
+    try:
+        pool.label(PUSH_IN_PROGRESS)
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m"]
+        result = subprocess.run(_servers_run(tmp_path / "run", urls, "train.steps=1", launcher=torchrun), cwd=ROOT,
+                                env=ENV, capture_output=True, text=True, timeout=900)
+    finally:
+        pool.label("0")  # the label alone was set: its weights are whole
+        pool.close()
+    lines = result.stderr.splitlines()
+    said = [line for line in lines if line.startswith(("exgrpo: error:", "Traceback"))]
+    refusal = f"exgrpo: error: the vLLM server {urls[0]} holds half-loaded weights"
+    assert result.returncode != 0 and said[:2] == [said[0]] * 2 and said[0].startswith(refusal), said
+
+
+@pytest.mark.slow
 def test_a_learner_killed_mid_run_resumes_against_the_same_servers_exactly(tmp_path, servers, full_run):
     """SIGKILL of the learner after step 3's checkpoint: the servers stay up (the next learner forms a new transfer
     group with them and pushes the resumed weights) and the resumed run ends as the in-process run did."""

@@ -340,15 +340,23 @@ class ServerEngine:
         configs = self.servers.configs()
         signature = learner_signature(model)
         for url, config, served, version in zip(self.servers.urls, configs, self.servers.signatures(),
-                                                self.servers.versions()):
-            # the label is read by rank 0 alone: the others may read it while rank 0's first push is under way
-            half_loaded = self.rank == 0 and version == PUSH_IN_PROGRESS
+                                                self._labels()):
+            half_loaded = version == PUSH_IN_PROGRESS
             refusal = server_refusal(config, backend, dtype, max_model_len) or model_refusal(served, signature) \
                 or (half_loaded and "holds half-loaded weights: a weight push into it failed or was interrupted; "
                     f"{restart_advice([url])}")
             if refusal:
                 raise EngineError(f"the vLLM server {url} {refusal}")
         return min(int(config["model_config"]["max_model_len"]) for config in configs)
+
+    def _labels(self) -> list[str | None]:
+        """The servers' weights versions as rank 0 reads them before its first push, on every rank (a rank reading
+        them itself could see that push under way): every rank refuses a half-loaded server at once, in one line,
+        before any rank waits in a collective of the push."""
+        labels = [self.servers.versions() if self.rank == 0 else None]
+        if in_process_group():
+            torch.distributed.broadcast_object_list(labels, src=0)
+        return labels[0]
 
     def push_weights(self, version: int, snapshot: Weights | None = None) -> None:
         """Send the learner's current weights to every server (rank 0; the other ranks join the gather and wait),
