@@ -164,7 +164,8 @@ class ExgrpoRunner:
         self.tracker.close()
 
 
-def build_trl(preset: dict, rendered: list[dict], reward, threads: int, steps: int, workdir: str, callback):
+def build_trl(preset: dict, rendered: list[dict], reward, threads: int, steps: int, workdir: str, callback,
+              bf16: bool = False):
     from datasets import Dataset
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
@@ -172,7 +173,7 @@ def build_trl(preset: dict, rendered: list[dict], reward, threads: int, steps: i
     K, B, T = preset["K"], preset["B"], preset["T"]
     model, tok = load_policy(preset["model"])
     args = GRPOConfig(
-        output_dir=os.path.join(workdir, "trl"), use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        output_dir=os.path.join(workdir, "trl"), use_cpu=True, bf16=bf16, fp16=False, gradient_checkpointing=False,
         per_device_train_batch_size=B * K, gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
         num_generations=K, max_completion_length=T, temperature=1.0, top_p=1.0, top_k=0,
         learning_rate=preset["lr"], weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0,
@@ -206,6 +207,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="measured steps per trainer (default: preset)")
     parser.add_argument("--warmup", type=int, help="discarded first rounds (default: preset)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--trl-bf16", action="store_true", help="TRL with bf16=True (its CPU default is fp32)")
     args = parser.parse_args()
     preset = dict(PRESETS[args.model])
     steps = args.steps or preset["steps"]
@@ -227,7 +229,7 @@ def main() -> None:
         runners.append(ExgrpoRunner("exgrpo", preset, questions, reward, 0.5, args.threads, workdir))
     tokenizer = (runners[0].trainer.tokenizer if runners else load_policy(preset["model"])[1])
     base = {"bench": "step", "model": args.model, "K": preset["K"], "B": preset["B"], "T": preset["T"],
-            "lora": preset["lora"], "threads": args.threads}
+            "lora": preset["lora"], "threads": args.threads, "trl_bf16": args.trl_bf16}
     records: dict[str, list[dict]] = {}
 
     def emit(trainer: str, round_: int, rec: dict) -> None:
@@ -265,7 +267,8 @@ def main() -> None:
                 state["t"] = time.perf_counter()
 
         rendered = [{"prompt": render_prompt(tokenizer, q.messages), "answer": q.answer} for q in questions]
-        trl, trl_tok = build_trl(preset, rendered, reward, args.threads, rounds, workdir, Interleave())
+        trl, trl_tok = build_trl(preset, rendered, reward, args.threads, rounds, workdir, Interleave(),
+                                 bf16=args.trl_bf16)
         # the same prompt token ids as exgrpo's
         same = all(trl_tok(text=[row["prompt"]])["input_ids"][0] == (runners[0].prompt_ids(q) if runners else None)
                    for row, q in list(zip(rendered, questions))[:32])

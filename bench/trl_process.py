@@ -6,8 +6,9 @@ in .venv-bench) and `exgrpo train` at its fastest setting (in .venv-vllm); media
 The work is bench/step_time.py's SmolLM2 preset (configs/demo.yaml's: LoRA r32, 6 questions x 8 rollouts, <= 24
 new tokens, math-verify in 2 workers, one optimizer step per step) with the same loss settings (Dr.GRPO sum / 24,
 no std scaling, no KL, no entropy bonus, clip 0.2, constant lr 2e-4, weight decay 0, T = 1). TRL's step time is
-its callback's (optimizer step to optimizer step); exgrpo's is `time/step` from metrics.jsonl. TRL runs fp32 (its
-CPU default); exgrpo runs the setting given by --exgrpo (default: the vLLM bf16 engine with a bf16 trainer).
+its callback's (optimizer step to optimizer step); exgrpo's is `time/step` from metrics.jsonl. TRL runs twice: fp32
+(its CPU default) and with `bf16=True`; exgrpo runs the setting given by --exgrpo (default: the vLLM bf16 engine with
+a bf16 trainer).
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ SAME_WORK = ["experience.ratio=0", "train.steps=5", "eval.every=0", "logging.pro
              "objective.epsilon_high=0.2", "train.weight_decay=0", "train.lr_scheduler=constant"]
 
 
-def trl_seconds(python: str) -> list[float]:
+def trl_seconds(python: str, bf16: bool) -> list[float]:
     lines = subprocess.run([python, str(ROOT / "bench" / "step_time.py"), "--model", "smollm2", "--trainers", "trl",
-                            "--warmup", "1", "--steps", "4"], cwd=ROOT, capture_output=True, text=True, check=True)
+                            "--warmup", "1", "--steps", "4", *(["--trl-bf16"] if bf16 else [])], cwd=ROOT,
+                           capture_output=True, text=True, check=True)
     steps = [json.loads(line) for line in lines.stdout.splitlines() if '"bench": "step"' in line]
     return [s["seconds"] for s in steps if not s["warmup"]]
 
@@ -51,11 +53,13 @@ def main() -> None:
     parser.add_argument("--exgrpo-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     parser.add_argument("--exgrpo", nargs="*", default=FASTEST, help="exgrpo's setting (config overrides)")
     args = parser.parse_args()
-    trl = trl_seconds(args.trl_python)
+    trl, trl_bf16 = trl_seconds(args.trl_python, bf16=False), trl_seconds(args.trl_python, bf16=True)
     ours = exgrpo_seconds(args.exgrpo_python, args.exgrpo)
-    record = {"bench": "trl_process", "exgrpo_setting": args.exgrpo, "trl_steps_s": trl, "exgrpo_steps_s": ours,
-              "trl_median_s": statistics.median(trl), "exgrpo_median_s": statistics.median(ours),
-              "ratio": statistics.median(ours) / statistics.median(trl)}
+    record = {"bench": "trl_process", "exgrpo_setting": args.exgrpo, "trl_steps_s": trl, "trl_bf16_steps_s": trl_bf16,
+              "exgrpo_steps_s": ours, "trl_median_s": statistics.median(trl),
+              "trl_bf16_median_s": statistics.median(trl_bf16), "exgrpo_median_s": statistics.median(ours),
+              "ratio": statistics.median(ours) / statistics.median(trl),
+              "ratio_to_trl_bf16": statistics.median(ours) / statistics.median(trl_bf16)}
     print(json.dumps(record), flush=True)
     if record["ratio"] > 0.35:
         print(f"exgrpo takes {record['ratio']:.2f}x TRL's step time (target <= 0.35)", file=sys.stderr)
