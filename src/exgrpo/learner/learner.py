@@ -36,7 +36,7 @@ from exgrpo.runtime.timing import StageTimer
 def phase_losses(config: ExGRPOConfig) -> dict[str, LossSettings]:
     """Each phase's objective (spec §4): PPO clipping of fresh tokens in the warm-up only (unless
     objective.clip_after_switch); replayed tokens' ratio to their recorded behaviour unless
-    experience.importance_correction is off; the engine correction `exgrpo.config.engine_correction_cap` decides."""
+    experience.importance_correction is off; the engine correction as `exgrpo.config.engine_correction_cap` says."""
     o = config.objective
     return {phase: LossSettings(
         clip_fresh=phase == WARMUP or o.clip_after_switch, epsilon_low=o.epsilon_low, epsilon_high=o.epsilon_high,
