@@ -127,6 +127,8 @@ def _experiment(args) -> int:
     if args.overwrite and args.action != "run":
         raise ConfigError(f"--overwrite starts runs over: it goes with `exgrpo experiment run`, not {args.action}")
     study = load_study(args.study)
+    # an arm named twice is one arm: its runs run and count once, its rows appear once
+    args.arms, args.main = (list(dict.fromkeys(names)) if names else names for names in (args.arms, args.main))
     if args.action == "run":
         stopped = run_study(study, arms=args.arms, seeds=args.seeds, overwrite=args.overwrite,
                             log=lambda m: print(f"exgrpo experiment: {m}", flush=True))
@@ -142,7 +144,7 @@ def _experiment(args) -> int:
     main_arms = args.main or [study.baseline]
     for name in main_arms + (args.arms or []):
         study.arm(name)
-    left_out = sorted({study.baseline, *main_arms} - set(args.arms or main_arms))
+    left_out = sorted({study.baseline, *main_arms} - set(args.arms)) if args.arms else []  # no --arms: all of them
     if left_out:
         raise ConfigError(f"--arms {' '.join(args.arms)} leaves out {', '.join(left_out)} (the baseline and the "
                           "--main arms are always reported)")

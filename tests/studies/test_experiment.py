@@ -225,12 +225,19 @@ def test_a_report_panel_with_nothing_to_show_has_no_legend_and_no_warning(tmp_pa
     (["run", "{study}", "--arms", "uniform", "--seeds", "2"],
      "--seeds 2: no selected arm of {study} has that seed (its seeds: 1)"),
     (["report", "{study}", "--output", "{study}/report"], "--output {study}/report: {study} is a file; --output must"),
+    # --main without --arms reports every arm (it was a TypeError traceback)
+    (["report", "{study}", "--main", "exgrpo", "--output", "{study}.report"], "runs not complete yet: grpo/seed-1"),
 ])
 def test_study_flags_that_select_nothing_or_cannot_be_written_are_refused(tmp_path, argv, message):
     study = _study(tmp_path)
     result = run_cli(["experiment", *[a.format(study=study) for a in argv]])
     assert result.returncode == 2 and message.format(study=study) in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "runs").exists()  # nothing ran
+
+
+def test_an_arm_named_twice_on_the_command_line_counts_once(tmp_path):
+    status = run_cli(["experiment", "status", str(_study(tmp_path)), "--arms", "uniform", "uniform"])
+    assert status.stdout.splitlines() == ["uniform seed 1: not started", "0 of 1 runs complete"], status.stdout
 
 
 def test_t_interval_and_the_pre_registered_verdict_rules():
