@@ -20,7 +20,7 @@ from rich.table import Table
 from exgrpo import __version__
 from exgrpo.config import ConfigError, load_config, preset_names
 from exgrpo.errors import ExgrpoError, ExgrpoWarning
-from exgrpo.runtime.distributed import launched_rank
+from exgrpo.runtime import launched_rank
 from exgrpo.runtime.signals import StopNow, sigterm_stops_at_once
 
 

@@ -16,7 +16,8 @@ from exgrpo.runtime.checkpoint import latest_intact_checkpoint, read_trainer_jso
 from exgrpo.config import ConfigError, ExGRPOConfig, config_changes
 from exgrpo.config.rules import ASYNC_ACROSS_RANKS_NEEDS_SERVERS, ASYNC_NEEDS_ITS_OWN_ENGINE
 from exgrpo.data import conflicting_answers, distinct_prompts, load_questions, split_holdout
-from exgrpo.runtime.distributed import close_distributed, launched_rank
+from exgrpo.runtime import launched_rank
+from exgrpo.runtime.distributed import close_distributed
 from exgrpo.errors import CheckpointError, ExgrpoWarning, Shutdown
 from exgrpo.evaluation.contamination import screen_benchmark_questions
 from exgrpo.models import load_policy
