@@ -89,6 +89,21 @@ def test_demo_seeds_refuses_seeds_and_overrides_that_would_not_run_what_was_aske
         assert f"error: override {override.split('=')[0]}: the script sets it" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    # nothing read it, yet each record said trl_bf16: true
+    (["step_time.py", "--trainers", "grpo", "--trl-bf16", "--steps", "1", "--warmup", "0"],
+     "--trl-bf16 sets TRL's precision: it goes with --trainers trl"),
+    # a FileNotFoundError traceback (for --exgrpo-python: after both TRL runs)
+    (["trl_process.py", "--trl-python", "{tmp}/no-venv/bin/python"], "--trl-python {tmp}/no-venv/bin/python: no such"),
+])
+def test_bench_trl_flags_that_cannot_be_honoured_are_refused_before_a_run(tmp_path, argv, message):
+    script, *args = argv
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / script), *[a.format(tmp=tmp_path) for a in args]],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 2 and message.format(tmp=tmp_path) in out.stderr, out.stderr[-3000:]
+    assert out.stdout == ""
+
+
 @pytest.mark.parametrize("content, message", [
     (None, "cannot read it (No such file or directory)"),
     ("garbage", "expected an earlier --grades file (a JSON list of {id, training, released}), got something else"),
