@@ -169,6 +169,15 @@ def test_two_arms_whose_names_read_the_same_are_refused(tmp_path):
         load_study(path)
 
 
+def test_an_arm_named_by_a_word_yaml_reads_as_true_false_or_null_is_refused(tmp_path):
+    """Unquoted, the arms on and off ran in runs/True and runs/False and were reported as True and False."""
+    path = tmp_path / "study.yaml"
+    path.write_text('base: tiny\noutput_dir: runs\nseeds: [1]\narms:\n  "on": {}\n  off: {}\n')
+    with pytest.raises(ConfigError, match="study.yaml: arms: arm name False is how YAML reads an unquoted on/off, "
+                                          "yes/no, true/false .*; quote the name"):
+        load_study(path)
+
+
 def test_a_run_whose_checkpoints_are_gone_is_said_and_started_over_by_the_command_given(tmp_path):
     path = _study(tmp_path, arms={"grpo": {"overrides": ["experience.ratio=0"]}}, seeds=[1], overrides=[
         "train.steps=2", "train.save_every=1", "eval.every=0", "logging.progress=false", "logging.sample_every=0"])
