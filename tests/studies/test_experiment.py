@@ -77,6 +77,10 @@ def test_study_runs_every_arm_and_seed_once_and_reports(tmp_path):
 
     assert report("grpo", "exgrpo").returncode == 0  # an unfinished arm can be left out
     assert "uniform" not in (tmp_path / "some" / "report.md").read_text()
+    # --main without the baseline: it comes first; it was an ablation of exgrpo as well, a second paired row
+    assert run_cli(["experiment", "report", str(tmp_path / "study.yaml"), "--main", "exgrpo", "--arms", "grpo",
+                    "exgrpo", "--output", str(tmp_path / "some")]).returncode == 0
+    assert (tmp_path / "some" / "report.md").read_text().count("| ExGRPO − GRPO |") == 1
     refused = report("exgrpo", "uniform")
     assert refused.returncode == 2 and "leaves out grpo" in refused.stderr
 
