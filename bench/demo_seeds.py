@@ -45,10 +45,14 @@ def demo(tree: Path, run_dir: Path, seed: int, overrides: list[str]) -> dict[str
 
 
 def seeds(text: str) -> list[int]:
-    values = [int(s) for s in text.split(",") if s.strip().isdigit()]
-    if not values or len(set(values)) != len(values):
+    parts = [s.strip() for s in text.split(",")]
+    if not all(p.isdecimal() for p in parts) or len({int(p) for p in parts}) != len(parts):  # "1,a" is not [1]
         raise argparse.ArgumentTypeError(f"distinct whole numbers, comma-separated (got {text!r})")
-    return values
+    return [int(p) for p in parts]
+
+
+#: what each run sets itself: an override of it would make every run of a tree the same run, or the same directory
+OWNED = {"train.seed": "--seeds gives the seeds", "logging.output_dir": "each run gets its own directory"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=seeds, default=[1, 2, 3], help="train.seed values (default: 1,2,3)")
     parser.add_argument("overrides", nargs="*", help="config overrides for every run (e.g. train.dtype=bf16)")
     args = parser.parse_args(argv)
+    for key in (override.split("=", 1)[0] for override in args.overrides):
+        if key in OWNED:
+            parser.error(f"override {key}: the script sets it for each run itself ({OWNED[key]})")
     commit = commit_of(args.base)
     if commit is None:
         parser.error(f"{args.base!r} is not a commit of {ROOT}")

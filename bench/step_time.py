@@ -209,6 +209,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--trl-bf16", action="store_true", help="TRL with bf16=True (its CPU default is fp32)")
     args = parser.parse_args()
+    if args.trl_bf16 and "trl" not in args.trainers:  # it would be recorded as set while nothing read it
+        parser.error("--trl-bf16 sets TRL's precision: it goes with --trainers trl")
     preset = dict(PRESETS[args.model])
     steps = args.steps or preset["steps"]
     warmup = preset["warmup"] if args.warmup is None else args.warmup

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -53,6 +54,9 @@ def main() -> None:
     parser.add_argument("--exgrpo-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     parser.add_argument("--exgrpo", nargs="*", default=FASTEST, help="exgrpo's setting (config overrides)")
     args = parser.parse_args()
+    for flag, python in (("--trl-python", args.trl_python), ("--exgrpo-python", args.exgrpo_python)):
+        if shutil.which(python) is None:  # before the TRL runs, not a traceback after them
+            parser.error(f"{flag} {python}: no such interpreter (make bench-trl creates both venvs)")
     trl, trl_bf16 = trl_seconds(args.trl_python, bf16=False), trl_seconds(args.trl_python, bf16=True)
     ours = exgrpo_seconds(args.exgrpo_python, args.exgrpo)
     record = {"bench": "trl_process", "exgrpo_setting": args.exgrpo, "trl_steps_s": trl, "trl_bf16_steps_s": trl_bf16,

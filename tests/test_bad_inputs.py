@@ -121,6 +121,9 @@ CASES = {
                                  _raises(ConfigError, "must be divisible by train.mini_batches")),
     "bad YAML": (lambda p: load_config(_write(p, "c.yaml", "train: {steps: [")),
                  _raises(ConfigError, "c.yaml: not valid YAML")),
+    "a list as a YAML key": (  # it was a TypeError traceback from the check for keys given twice
+        lambda p: load_study(_write(p, "s.yaml", "base: tiny\noutput_dir: runs\nseeds: [1]\narms: {[a, b]: {}}\n")),
+        _raises(ConfigError, "s.yaml: not valid YAML: found unhashable key (line 4, column 8)")),
     "engine precision the trainer cannot correct for": (
         lambda p: load_config(None, ["rollout.engine=vllm", "rollout.engine_dtype=bfloat16",
                                      "objective.engine_correction=none"]),

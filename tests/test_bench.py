@@ -1,6 +1,7 @@
 """The GPU check runs here on CPU at toy sizes (`--smoke`), so the script a GPU session runs once is not broken;
 bench/metrics_diff.py's comparison and its settings' overrides, without a run."""
 
+import argparse
 import importlib.util
 import json
 import subprocess
@@ -64,6 +65,43 @@ def test_metrics_diff_settings_are_valid_configs(name, tmp_path):
 def test_metrics_diff_tiny_async_runs_the_async_tests_harness(tmp_path):
     script = Path(metrics_diff.SETTINGS["tiny-async"].arguments(ROOT, tmp_path, 5)[0])
     assert script == ROOT / "tests" / "training" / "async_ranks.py" and script.is_file()
+
+
+def _bench_module(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_demo_seeds_refuses_seeds_and_overrides_that_would_not_run_what_was_asked(capsys):
+    """--seeds 1,a ran seed 1 alone; train.seed=5 among the overrides ran seed 5 under every --seeds label. Refused
+    before BASE is looked at (a BASE that is no commit here: nothing can run)."""
+    demo_seeds = _bench_module("demo_seeds")
+    assert demo_seeds.seeds(" 2,1") == [2, 1]
+    for text in ("1,a", "1,,2", "1,1", "a"):
+        with pytest.raises(argparse.ArgumentTypeError, match="distinct whole numbers, comma-separated"):
+            demo_seeds.seeds(text)
+    for override in ("train.seed=5", "logging.output_dir=runs/x"):
+        with pytest.raises(SystemExit) as exited:
+            demo_seeds.main(["no-such-commit", override])
+        assert exited.value.code == 2
+        assert f"error: override {override.split('=')[0]}: the script sets it" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    # nothing read it, yet each record said trl_bf16: true
+    (["step_time.py", "--trainers", "grpo", "--trl-bf16", "--steps", "1", "--warmup", "0"],
+     "--trl-bf16 sets TRL's precision: it goes with --trainers trl"),
+    # a FileNotFoundError traceback (for --exgrpo-python: after both TRL runs)
+    (["trl_process.py", "--trl-python", "{tmp}/no-venv/bin/python"], "--trl-python {tmp}/no-venv/bin/python: no such"),
+])
+def test_bench_trl_flags_that_cannot_be_honoured_are_refused_before_a_run(tmp_path, argv, message):
+    script, *args = argv
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / script), *[a.format(tmp=tmp_path) for a in args]],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 2 and message.format(tmp=tmp_path) in out.stderr, out.stderr[-3000:]
+    assert out.stdout == ""
 
 
 @pytest.mark.parametrize("content, message", [

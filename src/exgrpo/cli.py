@@ -20,7 +20,7 @@ from rich.table import Table
 from exgrpo import __version__
 from exgrpo.config import ConfigError, load_config, preset_names
 from exgrpo.errors import ExgrpoError, ExgrpoWarning
-from exgrpo.runtime.distributed import launched_rank
+from exgrpo.runtime import launched_rank
 from exgrpo.runtime.signals import StopNow, sigterm_stops_at_once
 
 
@@ -127,6 +127,8 @@ def _experiment(args) -> int:
     if args.overwrite and args.action != "run":
         raise ConfigError(f"--overwrite starts runs over: it goes with `exgrpo experiment run`, not {args.action}")
     study = load_study(args.study)
+    # an arm named twice is one arm: its runs run and count once
+    args.arms = list(dict.fromkeys(args.arms)) if args.arms else args.arms
     if args.action == "run":
         stopped = run_study(study, arms=args.arms, seeds=args.seeds, overwrite=args.overwrite,
                             log=lambda m: print(f"exgrpo experiment: {m}", flush=True))
@@ -139,10 +141,11 @@ def _experiment(args) -> int:
         return 0
     from exgrpo.studies.report import write_study_report
 
-    main_arms = args.main or [study.baseline]
+    # baseline first, as --main says: left out, it was taken for an ablation and compared twice with the last arm
+    main_arms = list(dict.fromkeys([study.baseline, *(args.main or [])]))
     for name in main_arms + (args.arms or []):
         study.arm(name)
-    left_out = sorted({study.baseline, *main_arms} - set(args.arms or main_arms))
+    left_out = sorted({study.baseline, *main_arms} - set(args.arms)) if args.arms else []  # no --arms: all of them
     if left_out:
         raise ConfigError(f"--arms {' '.join(args.arms)} leaves out {', '.join(left_out)} (the baseline and the "
                           "--main arms are always reported)")

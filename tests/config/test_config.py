@@ -83,6 +83,12 @@ def test_a_renamed_field_is_read_under_its_new_name_and_said_once(tmp_path, caps
         config_from_dict({section: {old_key: value, new_key: other}})
 
 
+def test_a_renamed_field_is_said_by_rank_0_alone(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "1")  # another rank under torchrun: its line would repeat rank 0's
+    assert load_config("tiny", ["rollout.sync_timeout=5"]).rollout.push_timeout == 5
+    assert capsys.readouterr().err == ""
+
+
 def test_a_config_stored_before_a_field_existed_resumes_as_it_ran():
     """A missing field reads as its default, or as BEFORE_THE_FIELD says where the default changed what it did."""
     config = load_config("tiny", ["experience.retirement=immediate"]).to_dict()

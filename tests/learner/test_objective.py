@@ -174,3 +174,20 @@ def test_truncated_importance_weights_against_hand_computed_values():
     assert stats["tis/weight_mean"] == pytest.approx((1.5 + math.exp(-1.0)) / 2)
     assert stats["tis/weight_min"] == pytest.approx(math.exp(-1.0))
     assert stats["tis/truncated_fraction"] == 0.5  # of the two fresh tokens, one at the cap
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.long])
+def test_a_replay_mask_of_zeros_and_ones_reads_as_the_bool_one(dtype):
+    """A MicroBatch's replay_mask given as 0/1 numbers is read as False/True, as mixed_policy_loss read it before
+    MicroBatch (torch.where refused it: a RuntimeError)."""
+    old = torch.tensor([[-1.0, -2.0, -0.5]])
+    logp = old.clone().requires_grad_()
+    replay = torch.tensor([[False, True, True]])
+    engine, engine_mask = torch.tensor([[-1.5, -1.0, -0.5]]), torch.ones(1, 3, dtype=torch.bool)
+
+    def loss(replay_mask):
+        micro = MicroBatch(torch.tensor([1.0]), torch.ones(1, 3), replay_mask, torch.zeros(1, 3), engine, engine_mask)
+        return mixed_policy_loss(logp, old, micro, LossSettings(tis_cap=1.5))
+
+    (expected, expected_stats), (got, got_stats) = loss(replay), loss(replay.to(dtype))
+    assert got.item() == expected.item() and got_stats == expected_stats

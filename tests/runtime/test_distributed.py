@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import trained_once
+from conftest import run_cli, trained_once
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}  # for toy_rewards
@@ -127,3 +127,11 @@ def test_per_rank_loss_scale_is_the_released_sum_over_each_ranks_share(tmp_path)
     one = _run(ONE, tmp_path / "one", *step)[0]
     assert two["reward"] == one["reward"] and two["completions/mean_length"] == one["completions/mean_length"]
     assert two["grad_norm"] == pytest.approx(one["grad_norm"] / 2, rel=1e-4)
+
+
+def test_a_rank_that_is_not_a_number_is_one_line(tmp_path):
+    """RANK is the CLI's first question (only rank 0 speaks); a value that is no rank was a ValueError traceback."""
+    result = run_cli(["train", "--config", "tiny", f"logging.output_dir={tmp_path}"], env={"RANK": "abc"})
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.splitlines() == ["exgrpo: error: the environment variable RANK is 'abc', not a process rank "
+                                          "(torchrun sets it to 0, 1, ...); unset it to run one process"]

@@ -86,3 +86,11 @@ def test_a_resume_that_finds_no_record_says_the_earlier_steps_ran_unrecorded(tmp
     assert code_label(lost["code"]) == "not recorded" and code_label(resumed["code"]).startswith("exgrpo ")
     assert "were run or resumed by different code: not recorded: arm/seed-1" in code_warning(
         {"arm/seed-1": read_sessions(tmp_path)})
+
+
+def test_a_record_emptied_by_hand_is_not_said_to_have_been_missing(tmp_path):
+    """{"sessions": []} is read like no file (the sessions before are not recorded), but the file was there."""
+    (tmp_path / "provenance.json").write_text('{"sessions": []}')
+    start_session(tmp_path, 2)
+    assert read_sessions(tmp_path)[0]["started"] == ("not recorded (provenance.json held no session when the run "
+                                                     "resumed at step 2)")

@@ -78,6 +78,19 @@ def test_resume_of_a_damaged_config_says_which_file_in_one_line(tmp_path, stored
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
 
 
+def test_a_resume_with_fewer_steps_than_the_run_has_is_refused(tmp_path):
+    """train.steps=1 on a run at step 2 trained nothing, exited 0 and stored train.steps 1 as the run's length."""
+    run = ["train", "--config", "tiny", f"logging.output_dir={tmp_path}", "logging.progress=false", "train.steps=2"]
+    assert run_cli(run).returncode == 0
+    stored = (tmp_path / "config.json").read_text()
+    result = run_cli(["train", "--resume", str(tmp_path), "train.steps=1"])
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.splitlines()[-1] == (f"exgrpo: config error: cannot resume {tmp_path}/checkpoints/step-000002 "
+                                              "with train.steps 1: the run is at step 2 already (train.steps is the "
+                                              "run's length, not the steps to add)")
+    assert (tmp_path / "config.json").read_text() == stored
+
+
 def test_a_checkpoint_written_before_a_rename_reads_under_the_new_names(tmp_path):
     from exgrpo.runtime.checkpoint import read_trainer_json
 

@@ -77,6 +77,10 @@ def test_study_runs_every_arm_and_seed_once_and_reports(tmp_path):
 
     assert report("grpo", "exgrpo").returncode == 0  # an unfinished arm can be left out
     assert "uniform" not in (tmp_path / "some" / "report.md").read_text()
+    # --main without the baseline: it comes first; it was an ablation of exgrpo as well, a second paired row
+    assert run_cli(["experiment", "report", str(tmp_path / "study.yaml"), "--main", "exgrpo", "--arms", "grpo",
+                    "exgrpo", "--output", str(tmp_path / "some")]).returncode == 0
+    assert (tmp_path / "some" / "report.md").read_text().count("| ExGRPO − GRPO |") == 1
     refused = report("exgrpo", "uniform")
     assert refused.returncode == 2 and "leaves out grpo" in refused.stderr
 
@@ -169,6 +173,15 @@ def test_two_arms_whose_names_read_the_same_are_refused(tmp_path):
         load_study(path)
 
 
+def test_an_arm_named_by_a_word_yaml_reads_as_true_false_or_null_is_refused(tmp_path):
+    """Unquoted, the arms on and off ran in runs/True and runs/False and were reported as True and False."""
+    path = tmp_path / "study.yaml"
+    path.write_text('base: tiny\noutput_dir: runs\nseeds: [1]\narms:\n  "on": {}\n  off: {}\n')
+    with pytest.raises(ConfigError, match="study.yaml: arms: arm name False is how YAML reads an unquoted on/off, "
+                                          "yes/no, true/false .*; quote the name"):
+        load_study(path)
+
+
 def test_a_run_whose_checkpoints_are_gone_is_said_and_started_over_by_the_command_given(tmp_path):
     path = _study(tmp_path, arms={"grpo": {"overrides": ["experience.ratio=0"]}}, seeds=[1], overrides=[
         "train.steps=2", "train.save_every=1", "eval.every=0", "logging.progress=false", "logging.sample_every=0"])
@@ -225,12 +238,19 @@ def test_a_report_panel_with_nothing_to_show_has_no_legend_and_no_warning(tmp_pa
     (["run", "{study}", "--arms", "uniform", "--seeds", "2"],
      "--seeds 2: no selected arm of {study} has that seed (its seeds: 1)"),
     (["report", "{study}", "--output", "{study}/report"], "--output {study}/report: {study} is a file; --output must"),
+    # --main without --arms reports every arm (it was a TypeError traceback)
+    (["report", "{study}", "--main", "exgrpo", "--output", "{study}.report"], "runs not complete yet: grpo/seed-1"),
 ])
 def test_study_flags_that_select_nothing_or_cannot_be_written_are_refused(tmp_path, argv, message):
     study = _study(tmp_path)
     result = run_cli(["experiment", *[a.format(study=study) for a in argv]])
     assert result.returncode == 2 and message.format(study=study) in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "runs").exists()  # nothing ran
+
+
+def test_an_arm_named_twice_on_the_command_line_counts_once(tmp_path):
+    status = run_cli(["experiment", "status", str(_study(tmp_path)), "--arms", "uniform", "uniform"])
+    assert status.stdout.splitlines() == ["uniform seed 1: not started", "0 of 1 runs complete"], status.stdout
 
 
 def test_t_interval_and_the_pre_registered_verdict_rules():

@@ -9,6 +9,7 @@ import torch
 
 from exgrpo.config import config_from_dict
 from exgrpo.data import Question
+from exgrpo.errors import EngineError
 from exgrpo.models import load_policy
 from exgrpo.records import MIXED, WARMUP
 from exgrpo.training.trainer import ExGRPOTrainer
@@ -256,6 +257,26 @@ def test_shared_prompt_forward_matches_the_full_forward():
     torch.testing.assert_close(ent_a, ent_b, atol=1e-5, rtol=1e-5)
     for a, b in zip(grad_a, grad_b):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_an_engine_short_of_the_weight_receiving_role_is_refused(tiny_policy, questions):
+    """An engine with a copy of the weights written before WeightReceiver.takes_snapshots: it was never pushed to
+    (the role is decided by type since holds_copy stopped deciding it), sampling from its first weights."""
+    class OlderEngine:
+        holds_copy, reports_logprobs, weights_version = True, False, 0
+
+        def generate(self, prompt_ids, sampling, seeds):
+            raise AssertionError("refused before sampling")
+
+        def push_weights(self, version, snapshot=None):
+            self.weights_version = version
+
+        def close(self):
+            pass
+
+    model, tok = tiny_policy
+    with pytest.raises(EngineError, match="^OlderEngine has push_weights but no takes_snapshots: an engine that "):
+        ExGRPOTrainer(model, tok, [first_char_reward], _config(), questions(8), engine=OlderEngine())
 
 
 def test_one_mixed_step_against_hand_computed_advantages_and_loss(tiny_policy, scripted_engine, questions):

@@ -158,6 +158,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         seen: dict = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            try:
+                hash(key)
+            except TypeError:  # a list or mapping as a key: PyYAML's own check below says "found unhashable key"
+                continue
             if key in seen:
                 raise ConfigError(f"{self.name}: key {key!r} appears twice in one mapping (lines {seen[key] + 1} and "
                                   f"{key_node.start_mark.line + 1}); remove one")

@@ -8,6 +8,7 @@ import sys
 
 from exgrpo.config.schema import ExGRPOConfig
 from exgrpo.errors import ConfigError
+from exgrpo.runtime import launched_rank
 
 #: renamed fields, old dotted name -> new, from the schema (a field's `formerly`): a file, an override or a stored
 #: run config (`--resume`) that still uses the old name is read with the new one, saying so once
@@ -18,7 +19,8 @@ RENAMED = {f"{section.name}.{f.metadata['formerly']}": f"{section.name}.{f.name}
 
 def renamed_key(dotted: str) -> str:
     if dotted in RENAMED:
-        print(f"exgrpo: {dotted} is now called {RENAMED[dotted]}: read as that", file=sys.stderr)
+        if launched_rank() == 0:  # under torchrun rank 0 says it for every rank, as the CLI's other notes
+            print(f"exgrpo: {dotted} is now called {RENAMED[dotted]}: read as that", file=sys.stderr)
         return RENAMED[dotted]
     return dotted
 

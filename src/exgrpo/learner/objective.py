@@ -212,7 +212,7 @@ def mixed_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, micro: MicroBa
     mask = micro.mask.to(logp.dtype)
     replay_mask = micro.replay_mask.bool() & mask.bool()
     # replayed tokens' ratio is to the policy that sampled them, or (ablation) to the pre-update one
-    recorded = torch.where(micro.replay_mask, micro.recorded_logp, old_logp) if settings.importance_correction \
+    recorded = torch.where(micro.replay_mask.bool(), micro.recorded_logp, old_logp) if settings.importance_correction \
         else old_logp
     losses, parts = token_losses(logp, old_logp, recorded, micro.advantages, replay_mask, settings,
                                  micro.demonstration_mask)
@@ -253,7 +253,7 @@ def _stats(parts, micro: MicroBatch, mask, replay_mask, settings, entropy) -> di
             ew = parts["engine_weight"][fresh]
             stats.update({"tis/weight_mean": float(ew.mean()), "tis/weight_min": float(ew.min())})
     if "engine_weight" in parts:
-        stats.update(importance_weight_stats(parts["engine_weight"], micro.engine_mask & ~micro.replay_mask,
+        stats.update(importance_weight_stats(parts["engine_weight"], micro.engine_mask & ~micro.replay_mask.bool(),
                                              settings.tis_cap))
     if replayed.any():
         wr = w[replayed]

@@ -102,7 +102,14 @@ class CopyHoldingEngine(RolloutEngine, WeightReceiver, Protocol):
 def weight_receiver(engine: RolloutEngine) -> WeightReceiver | None:
     """The engine in its weight-receiving role, or None where it takes no pushes: it samples with the training
     model (`hf`), or it samples through another engine that receives them (`RolloutWorker`'s)."""
-    return engine if isinstance(engine, WeightReceiver) else None
+    if isinstance(engine, WeightReceiver):
+        return engine
+    if hasattr(engine, "push_weights"):  # short of part of the role: it would never be pushed to, sampling stale weights
+        missing = [name for name in ("weights_version", "takes_snapshots") if not hasattr(engine, name)]
+        raise EngineError(f"{type(engine).__name__} has push_weights but no {' or '.join(missing)}: an engine that "
+                          "receives the learner's weights needs weights_version, takes_snapshots and push_weights "
+                          "(exgrpo.rollout.base.WeightReceiver)")
+    return None
 
 
 def eos_token_ids(tokenizer) -> list[int]:

@@ -79,11 +79,6 @@ def in_process_group() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def launched_rank() -> int:
-    """This process's rank as the launcher set it (0 without a launcher), before the process group exists."""
-    return int(os.environ.get("RANK", "0"))
-
-
 def init_distributed() -> Distributed:
     """Join the process group described by the launcher's environment (single process when absent)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))

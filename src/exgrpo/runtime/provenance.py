@@ -104,7 +104,7 @@ def start_session(run_dir: str | Path, step: int) -> None:
     no session recorded first records that the steps before `step` ran by code nobody recorded."""
     sessions = read_sessions(run_dir)
     if step and not sessions:
-        sessions = [{"started": f"not recorded ({PROVENANCE} was missing when the run resumed at step {step})",
+        sessions = [{"started": f"not recorded ({PROVENANCE} held no session when the run resumed at step {step})",
                      "from_step": 0, "host": None, "code": UNRECORDED_CODE, "ended": None, "to_step": step,
                      "stopped_by": None}]
     session = {"started": _now(), "from_step": step, "host": socket.gethostname(), "code": code_identity(),

@@ -170,6 +170,9 @@ def _overrides(value, where: str) -> tuple[str, ...]:
 
 def _arm_name(name, where: str) -> str:
     """An arm's name, which is a directory of the study's output_dir: a plain name."""
+    if name is None or isinstance(name, bool):  # the arms `on:` and `off:` would run in True/ and False/
+        raise ConfigError(f"{where}: arm name {name} is how YAML reads an unquoted on/off, yes/no, true/false (None: "
+                          "null, ~ or nothing); quote the name")
     text = str(name)
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", text) or text == "initial":
         raise ConfigError(f"{where}: arm name {text!r} is not a plain name: expected letters, digits and _ . + - "

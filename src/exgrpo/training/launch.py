@@ -12,11 +12,12 @@ from typing import Callable, Iterator
 import torch
 from transformers.utils import logging as transformers_logging
 
-from exgrpo.runtime.checkpoint import latest_intact_checkpoint, read_trainer_json, step_dirs
+from exgrpo.runtime.checkpoint import checkpoint_step, latest_intact_checkpoint, read_trainer_json, step_dirs
 from exgrpo.config import ConfigError, ExGRPOConfig, config_changes
 from exgrpo.config.rules import ASYNC_ACROSS_RANKS_NEEDS_SERVERS, ASYNC_NEEDS_ITS_OWN_ENGINE
 from exgrpo.data import conflicting_answers, distinct_prompts, load_questions, split_holdout
-from exgrpo.runtime.distributed import close_distributed, launched_rank
+from exgrpo.runtime import launched_rank
+from exgrpo.runtime.distributed import close_distributed
 from exgrpo.errors import CheckpointError, ExgrpoWarning, Shutdown
 from exgrpo.evaluation.contamination import screen_benchmark_questions
 from exgrpo.models import load_policy
@@ -143,6 +144,10 @@ def start_point(config: ExGRPOConfig, resume: bool, log: Callable[[str], None] =
     checkpoint = latest_intact_checkpoint(directory)
     if checkpoint is None:
         return _start_again(config, directory, main, log, start_over), None
+    if config.train.steps < checkpoint_step(checkpoint):  # it would train nothing and store the smaller number
+        raise ConfigError(f"cannot resume {checkpoint} with train.steps {config.train.steps}: the run is at step "
+                          f"{checkpoint_step(checkpoint)} already (train.steps is the run's length, not the steps to "
+                          "add)")
     algorithmic, harmless = config_changes(read_trainer_json(checkpoint)["config"], config.to_dict())
     if algorithmic:
         raise ConfigError(f"cannot resume {checkpoint} with a config that changes the algorithm: "
