@@ -104,7 +104,7 @@ def weight_receiver(engine: RolloutEngine) -> WeightReceiver | None:
     model (`hf`), or it samples through another engine that receives them (`RolloutWorker`'s)."""
     if isinstance(engine, WeightReceiver):
         return engine
-    if hasattr(engine, "push_weights"):  # short of part of the role: it would never be pushed to, sampling stale weights
+    if hasattr(engine, "push_weights"):  # short of the rest of the role: never pushed to, it would sample stale weights
         missing = [name for name in ("weights_version", "takes_snapshots") if not hasattr(engine, name)]
         raise EngineError(f"{type(engine).__name__} has push_weights but no {' or '.join(missing)}: an engine that "
                           "receives the learner's weights needs weights_version, takes_snapshots and push_weights "
