@@ -110,6 +110,13 @@ def test_one_process_trains_its_model_as_it_is_whatever_the_sharding(tiny_policy
     assert learner.parallel.backward_passes(0) == 0  # no padding pass: there are no collectives to join
 
 
+def test_a_learner_without_an_objective_for_a_phase_says_so(tiny_policy, questions):
+    model, tok = tiny_policy
+    batch = _batch(tok, questions(4)[::4], [[5, 6], [7], [8, 9], [10]])
+    with pytest.raises(ValueError, match=r"no objective for the mixed phase \(it was given \['warmup'\]\)"):
+        _update(model, LossSettings())(batch, torch.zeros(4), "mixed", np.random.default_rng(0), StageTimer())
+
+
 def test_token_budget_micro_batches_give_the_one_micro_batch_update(questions):
     from exgrpo.models import load_policy
 

@@ -91,6 +91,19 @@ def test_a_resume_with_fewer_steps_than_the_run_has_is_refused(tmp_path):
     assert (tmp_path / "config.json").read_text() == stored
 
 
+def test_a_damaged_provenance_record_is_refused_before_the_model_loads(tmp_path):
+    """An empty or null provenance.json was refused in one line only once the model had loaded (start_session)."""
+    from exgrpo.config import load_config
+    from exgrpo.errors import RunDirectoryError
+    from exgrpo.training.launch import start_point
+
+    run = ["train", "--config", "tiny", f"logging.output_dir={tmp_path}", "logging.progress=false", "train.steps=1"]
+    assert run_cli(run).returncode == 0
+    (tmp_path / "provenance.json").write_text("null")
+    with pytest.raises(RunDirectoryError, match=r"provenance\.json: unreadable"):
+        start_point(load_config("tiny", [f"logging.output_dir={tmp_path}"]), resume=True)
+
+
 def test_a_checkpoint_written_before_a_rename_reads_under_the_new_names(tmp_path):
     from exgrpo.runtime.checkpoint import read_trainer_json
 

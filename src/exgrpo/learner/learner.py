@@ -246,6 +246,8 @@ class Learner:
                  timer: StageTimer) -> UpdateResult:
         """Update on `batch` (N = G*K rows, groups in order) with (N,) `advantages` by the objective of `phase`;
         `rng` splits the groups into mini-batches."""
+        if phase not in self.losses:
+            raise ValueError(f"the learner has no objective for the {phase} phase (it was given {sorted(self.losses)})")
         minis = self._mini_batches(len(batch) // self.K, rng)
         my_rows = torch.cat([mine for _, mine in minis])
         with timer("logprob"):

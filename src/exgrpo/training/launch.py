@@ -18,6 +18,7 @@ from exgrpo.config.rules import ASYNC_ACROSS_RANKS_NEEDS_SERVERS, ASYNC_NEEDS_IT
 from exgrpo.data import conflicting_answers, distinct_prompts, load_questions, split_holdout
 from exgrpo.runtime import launched_rank
 from exgrpo.runtime.distributed import close_distributed
+from exgrpo.runtime.provenance import read_sessions
 from exgrpo.errors import CheckpointError, ExgrpoWarning, Shutdown
 from exgrpo.evaluation.contamination import screen_benchmark_questions
 from exgrpo.models import load_policy
@@ -141,6 +142,8 @@ def start_point(config: ExGRPOConfig, resume: bool, log: Callable[[str], None] =
         return config, None
     if config.logging.overwrite:
         raise ConfigError("--resume and logging.overwrite (--overwrite) contradict each other")
+    if main:
+        read_sessions(directory)  # a damaged provenance.json is refused now, not once the model has loaded
     checkpoint = latest_intact_checkpoint(directory)
     if checkpoint is None:
         return _start_again(config, directory, main, log, start_over), None
