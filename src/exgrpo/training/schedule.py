@@ -81,7 +81,7 @@ class InlineSource:
 
     def __init__(self, generation: GenerationRounds, full_weights: Callable[[], ContextManager]):
         self.generation, self.engine, self.full_weights = generation, generation.engine, full_weights
-        self.receiver = weight_receiver(self.engine)
+        self.receiver = generation.receiver  # the engine as weight receiver, or None
         self._version = 0  # the engine starts from the learner's weights before any optimizer step
 
     def submit(self, planned: PlannedStep) -> Wait:
