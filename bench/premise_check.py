@@ -45,7 +45,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np  # noqa: E402
 
-from exgrpo.studies.working import classify, steps  # noqa: E402
+from exgrpo.rewards.arithmetic import steps  # noqa: E402
+from exgrpo.studies.working import classify  # noqa: E402
 
 SMOLLM2 = "smollm2-135m-instruct"
 _RG = "reasoning_gym:"

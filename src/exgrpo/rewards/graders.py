@@ -11,6 +11,8 @@ import threading
 import sympy
 from math_verify import parse, verify
 
+from exgrpo.rewards.arithmetic import (ARITHMETIC, CHAIN, OPERATION, RESULT, SIGNED_NUMBER, STATED_NUMBER, TOKEN,
+                                       last_side, places_written)
 from exgrpo.rewards.restatement import is_restatement
 
 _MV_TIMEOUT_S = 5  # math-verify's default parse and verify timeouts, which the released reward used
@@ -91,10 +93,6 @@ def _plain_text_answer(completion: str, answer_parsed: list, question: str, time
     return answer_parsed
 
 
-#: a number as a completion writes it: "-3", "2.5", "1,000", "1,000.5" (also before a full stop: "is 1,000.")
-_STATED_NUMBER = r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?(?!\d)|-?\d+(?:\.\d+)?"
-#: arithmetic on one line: numbers joined by operators and "=" ("15 - 6 = 9"; "71 = 48 + 23")
-_CHAIN = rf"(?:{_STATED_NUMBER})(?:[ \t]*[-+*/×÷=][ \t]*\(?(?:{_STATED_NUMBER})\)?)*"
 #: what may wrap an answer: markdown bold, LaTeX math delimiters
 _WRAP_OPEN, _WRAP_CLOSE = r"(?:\*\*|\$|\\\(|\\\[)?", r"(?:\*\*|\$|\\\)|\\\])?"
 #: what may follow a stated answer: the end, punctuation, a bracket, or a word that gives the working (a question
@@ -102,25 +100,25 @@ _WRAP_OPEN, _WRAP_CLOSE = r"(?:\*\*|\$|\\\(|\\\[)?", r"(?:\*\*|\$|\\\)|\\\])?"
 _STATEMENT_END = r"(?=\s*(?:$|[.,;:!()\n]|(?:which|since|because|as|from|by|given|so|after)\b))"
 #: "the answer is 71", "Answer: 71", "the answer to 48 + 23 is 71", "the final answer equals 71"
 _ANSWER_IS = re.compile(rf"\banswer(?:[ \t]+to[ \t]+[^.!?\n]{{1,40}}?)?[ \t]*(?:is|equals|=|:)[ \t]*:?\s*"
-                        rf"{_WRAP_OPEN}[ \t]*(?P<chain>{_CHAIN}){_WRAP_CLOSE}{_STATEMENT_END}", re.IGNORECASE)
+                        rf"{_WRAP_OPEN}[ \t]*(?P<chain>{CHAIN}){_WRAP_CLOSE}{_STATEMENT_END}", re.IGNORECASE)
 #: "71 is the answer", "48 + 23 = 71 is the final answer"
-_IS_THE_ANSWER = re.compile(rf"(?<![\d.,]){_WRAP_OPEN}(?P<chain>{_CHAIN}){_WRAP_CLOSE}[ \t]+is[ \t]+(?:the|our|my)"
+_IS_THE_ANSWER = re.compile(rf"(?<![\d.,]){_WRAP_OPEN}(?P<chain>{CHAIN}){_WRAP_CLOSE}[ \t]+is[ \t]+(?:the|our|my)"
                             rf"[ \t]+(?:final[ \t]+|correct[ \t]+)?answer\b", re.IGNORECASE)
 
 #: "is not", "isn't" between an answer and a number
 _IS_NOT = r"[ \t]+(?:is[ \t]+not|isn't)[ \t]+"
 #: "the answer is not 70, it is 71", "the answer isn't 70 but 71": the correction states the answer
-_CORRECTED_ANSWER = re.compile(rf"\banswer{_IS_NOT}{_WRAP_OPEN}(?:{_STATED_NUMBER}){_WRAP_CLOSE}"
+_CORRECTED_ANSWER = re.compile(rf"\banswer{_IS_NOT}{_WRAP_OPEN}(?:{STATED_NUMBER}){_WRAP_CLOSE}"
                                rf"[ \t]*[,;]?[ \t]*(?:but[ \t]+)?(?:it[ \t]+is[ \t]+|it's[ \t]+)?{_WRAP_OPEN}[ \t]*"
-                               rf"(?P<chain>{_CHAIN}){_WRAP_CLOSE}{_STATEMENT_END}", re.IGNORECASE)
+                               rf"(?P<chain>{CHAIN}){_WRAP_CLOSE}{_STATEMENT_END}", re.IGNORECASE)
 
 #: an answer asked, not stated ("The answer is 70? No, 71."): math-verify reads the asked number
-_QUESTIONED_ANSWER = re.compile(rf"\banswer[ \t]*(?:is|equals|=|:)[ \t]*{_WRAP_OPEN}[ \t]*(?:{_STATED_NUMBER})"
+_QUESTIONED_ANSWER = re.compile(rf"\banswer[ \t]*(?:is|equals|=|:)[ \t]*{_WRAP_OPEN}[ \t]*(?:{STATED_NUMBER})"
                                 rf"{_WRAP_CLOSE}[ \t]*\?", re.IGNORECASE)
 
 #: a completion that ends by denying its last number is the answer ("The answer is not 5."; "5 is not the answer"):
 #: math-verify reads that number; it states no answer
-_NEGATED_ANSWER = re.compile(rf"(?:\banswer{_IS_NOT}{_WRAP_OPEN}(?:{_STATED_NUMBER}){_WRAP_CLOSE}|(?:{_STATED_NUMBER})"
+_NEGATED_ANSWER = re.compile(rf"(?:\banswer{_IS_NOT}{_WRAP_OPEN}(?:{STATED_NUMBER}){_WRAP_CLOSE}|(?:{STATED_NUMBER})"
                              rf"{_WRAP_CLOSE}{_IS_NOT}(?:the|my|our)[ \t]+(?:final[ \t]+|correct[ \t]+)?answer)\W*$",
                              re.IGNORECASE)
 
@@ -136,7 +134,7 @@ def stated_answer(completion: str) -> str | None:
                          *_CORRECTED_ANSWER.finditer(completion)], key=lambda m: m.start())
     for statement in reversed(statements):
         sides = [side.strip() for side in statement.group("chain").split("=")]
-        numbers = [side for side in sides if re.fullmatch(_STATED_NUMBER, side)]
+        numbers = [side for side in sides if re.fullmatch(STATED_NUMBER, side)]
         if numbers:
             return numbers[-1].replace(",", "")
     return None
@@ -147,11 +145,6 @@ def _numeric(gold_parsed: list) -> bool:
     return len(gold_parsed) == 2 and isinstance(gold_parsed[0], sympy.Number)
 
 
-def _written(answer: str, completion: str) -> list[re.Match]:
-    """Every place `completion` writes the number `answer` (not as part of a longer number)."""
-    return list(re.finditer(rf"(?<![\d.]){re.escape(answer)}(?!\.?\d)", completion))
-
-
 #: a numbered list item's marker at the start of a line ("3. This is"); group 1 is the indent before it
 _LIST_MARKER = re.compile(r"(?m)^([ \t]*)\d+[.)][ \t]+(?=\D)")
 
@@ -159,23 +152,12 @@ _LIST_MARKER = re.compile(r"(?m)^([ \t]*)\d+[.)][ \t]+(?=\D)")
 def _only_list_markers(completion: str, answer_parsed: list) -> bool:
     """Whether math-verify's answer is written in the completion only as list items' numbers."""
     markers = {m.end(1) for m in _LIST_MARKER.finditer(completion)}
-    written = _written(answer_parsed[1], completion)
+    written = places_written(answer_parsed[1], completion)
     return bool(written) and all(w.start() in markers for w in written)
 
 
-_NUMBER = r"-?\d+(?:\.\d+)?"
-_OPERATION = rf"[ \t]*[-+*/×÷][ \t]*\(?{_NUMBER}\)?"  # an operator and its operand
-_RESULT = r"[ \t]*=([-\d \t.+*/×÷()=]*)"  # "=" and the rest of the arithmetic on the line (group 1)
 #: what follows the left side of an equation on its line: more operands, then its result
-_EQUATION_TAIL = re.compile(rf"(?:{_OPERATION})*{_RESULT}")
-#: arithmetic written out: numbers joined by operators ("7 - 2 + 0")
-_ARITHMETIC = re.compile(rf"{_NUMBER}(?:{_OPERATION})+")
-_TOKEN = re.compile(r"\d+(?:\.\d+)?|[-+*/×÷()]")
-
-
-def _last_side(result: str) -> str:
-    """The last side of what follows an equation's "=" ("15 - 6 = 9." -> "9")."""
-    return result.rsplit("=", 1)[-1].strip().rstrip(".").strip()
+_EQUATION_TAIL = re.compile(rf"(?:{OPERATION})*{RESULT}")
 
 
 def _equation_result(completion: str, answer_parsed: list) -> str | None:
@@ -183,11 +165,11 @@ def _equation_result(completion: str, answer_parsed: list) -> str | None:
     answer is 15 - 6 = 7"; "final answer:\\n9 + 6 = 15"), the equation's last side (7; 15; of a chain
     "9 + 6 - 6 = 15 - 6 = 9", 9): the completion's answer, which math-verify would not read. None otherwise (an
     answer also written on its own)."""
-    written = _written(answer_parsed[1], completion)
+    written = places_written(answer_parsed[1], completion)
     results = [_EQUATION_TAIL.match(completion, w.end()) for w in written]
     if not written or not all(results):
         return None
-    return _last_side(results[-1].group(1)) or None
+    return last_side(results[-1].group(1)) or None
 
 
 #: the end of a sentence: a full stop, "!" or "?" before a space or the end, or a line break
@@ -197,7 +179,7 @@ _SENTENCE_END = re.compile(r"[.!?](?=\s|$)|\n")
 def _answer_sentence(completion: str, answer_parsed: list) -> tuple[str, str] | None:
     """The text before and after the last place the completion writes math-verify's answer, within its sentence;
     None where the answer is not written as such."""
-    written = _written(answer_parsed[1], completion)
+    written = places_written(answer_parsed[1], completion)
     if not written:
         return None
     head, tail = completion[:written[-1].start()], completion[written[-1].end():]
@@ -211,13 +193,13 @@ def _states_otherwise(sentence: str, answer_parsed: list, question: str) -> bool
     written in `question`) to a number other than math-verify's answer ("So 7 - 2 + 0 = 15 and 27 - 9 = 5" on
     "7 - 2 + 0 =": 15; of a chain, its last side). A sentence that names its answer ("... = 9 division of 9 is 4
     which is the final answer") is taken at its word."""
-    asked = _ARITHMETIC.findall(question)
+    asked = ARITHMETIC.findall(question)
     if not asked or not isinstance(answer_parsed[0], sympy.Number) or "answer" in sentence.lower():
         return False
-    expression = r"[ \t]*".join(map(re.escape, _TOKEN.findall(asked[-1])))
-    for equation in re.finditer(rf"(?<![\d.]){expression}{_RESULT}", sentence):
-        result = _last_side(equation.group(1))
-        if re.fullmatch(_NUMBER, result) and float(result) != float(answer_parsed[0]):
+    expression = r"[ \t]*".join(map(re.escape, TOKEN.findall(asked[-1])))
+    for equation in re.finditer(rf"(?<![\d.]){expression}{RESULT}", sentence):
+        result = last_side(equation.group(1))
+        if re.fullmatch(SIGNED_NUMBER, result) and float(result) != float(answer_parsed[0]):
             return True
     return False
 

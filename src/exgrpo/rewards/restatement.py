@@ -16,7 +16,8 @@ from decimal import Decimal
 
 import sympy
 
-_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+from exgrpo.rewards.arithmetic import NUMBER
+
 _SUBSCRIPT = re.compile(r"_\{[^{}]*\}|_\w")  # indices (z_{2}, a_1) are names, not quantities
 _LAYOUT = re.compile(r"\s|\$|\\left|\\right|\\[,;!]|[{}]")
 _PLAIN_FRACTION = re.compile(r"\s*-?\s*\d+\s*/\s*\d+\s*")
@@ -26,7 +27,7 @@ _NEUTRAL = {Decimal(0), Decimal(1)}  # "+ 0x", "* 1": padding that must not hide
 def written_numbers(text: str) -> list[Decimal]:
     """The unsigned numbers written in `text`, in order, without 0 and 1 and without subscripts:
     "752 * -611 + 0x" -> [752, 611]; "z_{2} = 15" -> [15]."""
-    return [n for n in map(Decimal, _NUMBER.findall(_SUBSCRIPT.sub("", text))) if n not in _NEUTRAL]
+    return [n for n in map(Decimal, re.findall(NUMBER, _SUBSCRIPT.sub("", text))) if n not in _NEUTRAL]
 
 
 def is_restatement(value: object, text: str, question: str) -> bool:
