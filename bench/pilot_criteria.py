@@ -1,84 +1,62 @@
-"""Round four's pilot criteria (docs/results.md, issue #37), read from a study's run directories.
+"""A pilot's registered criteria (its study file's `registered.criteria`, `exgrpo.studies.criteria`), read from
+its run directories: for each run, the held-out accuracy at step 0 (the study's shared initial evaluation) and at
+every evaluation, then each criterion's value and whether it is met. Criteria read by hand (the grading of what was
+paid) get every logged sample written to <run>/samples_to_read.txt, with its reward and the last number it states.
 
-For each run: held-out accuracy at step 0 (the study's shared initial evaluation) and at every logged evaluation,
-criteria 1-3 (learning >= 10 points, no collapse > 5 points below the best, entropy at step 20 >= 0.3 nats),
-the delayed-start rule's input (largest batch Pass@1 in steps 1-15), criterion 5 (the first three pilots: the
-buffer's share at k = 2..6 at steps 20, 30 and 40; the fourth: at least 3 questions there at 12 or more of steps
-25-40), the share of completions cut at the cap, and the last 50 logged samples, written for reading by hand
-(criterion 6) to <run>/last_50_samples.txt. Criterion 4 holds by construction (40 steps of 6 fresh questions draw
-fewer than the training pool holds, and the pool draws an epoch without repeats).
-
-    .venv/bin/python bench/pilot_criteria.py experiments/round-four-fourth-pilot.yaml exgrpo grpo
+    .venv/bin/python bench/pilot_criteria.py experiments/round-five-seventh-pilot.yaml exgrpo grpo
 """
 
 import json
+import re
 import sys
 from pathlib import Path
 
 from exgrpo.runtime.tracking import read_metrics
+from exgrpo.studies.criteria import PilotRun
 from exgrpo.studies.study import load_study
 
-K = 8
-MEDIUM = range(2, K - 1)  # k = 2..6
-REPLAY_SLOTS = 3  # experiential questions per step: 6 questions x experience.ratio 0.5
 
-
-def buckets(row: dict) -> dict[int, float]:
-    return {int(key.rsplit("_", 1)[1]): v for key, v in row.items() if key.startswith("experience/bucket_")}
-
-
-def medium_questions(row: dict) -> float:
-    return sum(v for k, v in buckets(row).items() if k in MEDIUM)
-
-
-def medium_share(row: dict) -> float | None:
-    total = sum(buckets(row).values())
-    return medium_questions(row) / total if total else None
-
-
-def criteria(run: Path, initial: float) -> dict:
-    log = read_metrics(run / "metrics.jsonl")
-    by_step = {}
-    for row in log:
+def pilot_run(study, arm, seed: int) -> PilotRun:
+    config = study.config(arm, seed)
+    by_step: dict[int, dict] = {}
+    for row in read_metrics(study.run_dir(arm, seed) / "metrics.jsonl"):
         by_step.setdefault(row["step"], {}).update(row)
-    evals = {0: initial} | {s: r["eval/accuracy"] for s, r in sorted(by_step.items()) if "eval/accuracy" in r}
-    last = max(evals)
-    entropy_20 = by_step[20]["entropy"]
-    shares = {s: medium_share(by_step[s]) for s in (20, 30, 40) if s in by_step}
-    return {
-        "run": str(run), "evals": {s: round(100 * a, 1) for s, a in evals.items()},
-        "1_learning": evals[last] - evals[0] >= 0.10,
-        "2_no_collapse": evals[last] >= max(evals.values()) - 0.05,
-        "entropy_20": round(entropy_20, 2), "3_entropy": entropy_20 >= 0.3,
-        "max_solved_1_15": max(by_step[s]["batch/pass_at_1"] for s in range(1, 16)),
-        "buffer_questions": {s: by_step[s].get("experience/questions") for s in shares},
-        "medium_share": {s: None if v is None else round(v, 2) for s, v in shares.items()},
-        "5_medium": bool(shares) and all(v is not None and v >= 0.40 for v in shares.values()),
-        # the fourth pilot's criterion 5: at 12 or more of steps 25-40 the medium buckets can fill every replay slot
-        "medium_questions_25_40": [medium_questions(by_step[s]) for s in range(25, 41) if s in by_step],
-        "5_replay_slots": sum(medium_questions(by_step[s]) >= REPLAY_SLOTS for s in range(25, 41) if s in by_step)
-        >= 12,
-        "clipped_ratio_mean": round(sum(r["completions/clipped_ratio"] for r in by_step.values()) / len(by_step), 3),
-    }
+    start = json.loads(study.initial_eval_path(config).read_text())["accuracy"]
+    return PilotRun(by_step, start, config.train.steps, config.rollout.num_generations,
+                    int(config.train.prompts_per_step * config.experience.ratio), arm.name != study.baseline)
 
 
-def write_samples(run: Path, n: int = 50) -> Path:
-    out = run / f"last_{n}_samples.txt"
-    out.write_text("".join(f"--- step {s['step']} {s['question_id']} gold={s['answer']} reward={s['reward']} "
-                           f"replayed={s['replayed']}\n{s['completion']}\n"
-                           for s in read_metrics(run / "samples.jsonl")[-n:]))
+def write_samples(run_dir: Path) -> Path:
+    """Every logged sample, for reading by hand: reward, gold answer, the last number stated."""
+    lines = []
+    for s in read_metrics(run_dir / "samples.jsonl"):
+        numbers = re.findall(r"-?\d+(?:\.\d+)?", s["completion"])
+        lines.append(f"--- step {s['step']} {s['question_id']} gold {s['answer']} reward {s['reward']} "
+                     f"replayed {s['replayed']} last number {numbers[-1] if numbers else None}\n{s['completion']}\n")
+    out = run_dir / "samples_to_read.txt"
+    out.write_text("\n".join(lines))
     return out
 
 
-def main(study_path: str, arms: list[str]) -> None:
-    study = load_study(study_path)
-    for name in arms:
+def _shown(value) -> object:
+    return round(value, 3) if isinstance(value, float) else value
+
+
+def main(study_file: str, *arms: str) -> None:
+    study = load_study(study_file)
+    if not study.registered.criteria:
+        sys.exit(f"{study_file}: no registered.criteria to read")
+    for name in arms or [a.name for a in study.arms]:
         arm = study.arm(name)
         for seed in arm.seeds:
-            run = study.run_dir(arm, seed)
-            initial = json.loads(study.initial_eval_path(study.config(arm, seed)).read_text())["accuracy"]
-            print(json.dumps(criteria(run, initial) | {"samples": str(write_samples(run))}))
+            run = pilot_run(study, arm, seed)
+            result = {"evaluations": {s: round(100 * a, 1) for s, a in run.evaluations.items()}}
+            for criterion in study.registered.criteria:
+                value, met = criterion.read(run)
+                result[criterion.name] = _shown(value) if met is None else [_shown(value), "met" if met else "FAILED"]
+            samples = write_samples(study.run_dir(arm, seed))
+            print(f"{name} seed {seed}: {json.dumps(result)}; samples in {samples}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    main(*sys.argv[1:])

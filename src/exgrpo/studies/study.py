@@ -31,6 +31,7 @@ import numpy as np
 from exgrpo.runtime.atomic import write_text_atomic
 from exgrpo.runtime.rundir import checkpoints_gone, last_logged_step
 from exgrpo.config import ConfigError, ExGRPOConfig, config_file, load_config, read_yaml
+from exgrpo.studies.criteria import Criterion, criteria_from
 
 _STUDY_KEYS = {"base", "output_dir", "seeds", "overrides", "baseline", "arms", "registered"}
 _ARM_KEYS = {"label", "overrides", "seeds"}
@@ -54,6 +55,7 @@ class Registration:
         effect of interest (rounds one to three used 0.05).
     power_sd: the paired SD of the primary difference expected from an earlier round; with it the report states
         P("helps") for each of `power_effects` and the effect detected with 80% power at the study's seeds.
+    criteria: a pilot's criteria (`exgrpo.studies.criteria`), read by bench/pilot_criteria.py.
     """
 
     primary: str = "late_mean"
@@ -63,6 +65,7 @@ class Registration:
     equivalence: float = 0.03
     power_sd: float | None = None
     power_effects: tuple[float, ...] = ()
+    criteria: tuple[Criterion, ...] = ()
 
     def primary_points(self, per_evaluation: np.ndarray) -> np.ndarray:
         """The entries of (E,) `per_evaluation` (step 0 first) that the primary metric reads."""
@@ -70,7 +73,7 @@ class Registration:
 
 
 _REGISTRATION_KEYS = {"primary", "late_evaluations", "verdict_rule", "effect", "equivalence", "power_sd",
-                      "power_effects"}
+                      "power_effects", "criteria"}
 
 
 def _registration(value, where: str) -> Registration:
@@ -78,7 +81,9 @@ def _registration(value, where: str) -> Registration:
     if not isinstance(value, dict) or set(value) - _REGISTRATION_KEYS:
         raise ConfigError(f"{where}: expected a mapping with keys among {sorted(_REGISTRATION_KEYS)}, got {value!r}")
     try:
-        reg = Registration(**{k: tuple(v) if k == "power_effects" else v for k, v in value.items()})
+        reg = Registration(**{k: tuple(v) if k == "power_effects" else v for k, v in value.items()
+                              if k != "criteria"},
+                           criteria=criteria_from(value["criteria"], f"{where}.criteria") if "criteria" in value else ())
     except TypeError as e:
         raise ConfigError(f"{where}: {e}") from None
     if reg.primary not in ("late_mean", "final") or not (isinstance(reg.late_evaluations, int)
