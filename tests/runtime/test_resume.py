@@ -12,7 +12,8 @@ import pytest
 from conftest import run_cli
 
 from exgrpo.runtime.checkpoint import checkpoint_dirs, latest_checkpoint
-from exgrpo.config import load_config
+from exgrpo.config import ConfigError, load_config
+from exgrpo.errors import CheckpointError, ExgrpoWarning
 from exgrpo.experience import ExperienceBuffer
 from exgrpo.training.launch import build_run
 
@@ -93,7 +94,6 @@ def test_a_resume_with_fewer_steps_than_the_run_has_is_refused(tmp_path):
 
 def test_a_damaged_provenance_record_is_refused_before_the_model_loads(tmp_path):
     """An empty or null provenance.json was refused in one line only once the model had loaded (start_session)."""
-    from exgrpo.config import load_config
     from exgrpo.errors import RunDirectoryError
     from exgrpo.training.launch import start_point
 
@@ -109,6 +109,24 @@ def test_a_checkpoint_written_before_a_rename_reads_under_the_new_names(tmp_path
 
     (tmp_path / "trainer.json").write_text(json.dumps({"step": 3, "solved": ["q0"], "skipped_updates": 1}))
     assert read_trainer_json(tmp_path) == {"step": 3, "ever_correct": ["q0"], "skipped_optimizer_steps": 1}
+    (tmp_path / "trainer.json").write_text(json.dumps({"step": 3, "solved": ["q0"], "ever_correct": []}))
+    with pytest.raises(CheckpointError, match=r"trainer\.json: solved and ever_correct are both set"):
+        read_trainer_json(tmp_path)
+
+
+def test_a_stored_config_with_a_field_under_both_names_is_refused_naming_its_file(tmp_path):
+    from exgrpo.training.launch import start_point
+
+    assert run_cli(["train", "--config", "tiny", f"logging.output_dir={tmp_path}", "logging.progress=false",
+                    "train.steps=1"]).returncode == 0
+    checkpoint = latest_checkpoint(tmp_path)
+    trainer = json.loads((checkpoint / "trainer.json").read_text())
+    trainer["config"]["experience"]["policy"] = "exgrpo"  # replay_policy's old name, beside it
+    (checkpoint / "trainer.json").write_text(json.dumps(trainer))
+    (checkpoint / "manifest.json").unlink()  # resumed unverified (with a warning), so the edit is read
+    with pytest.warns(ExgrpoWarning), pytest.raises(ConfigError, match=rf"{checkpoint}/trainer\.json: config: "
+                                                    "experience.policy and experience.replay_policy are both set"):
+        start_point(load_config("tiny", [f"logging.output_dir={tmp_path}"]), resume=True)
 
 
 def _check_resumable(run) -> None:

@@ -175,7 +175,12 @@ RENAMED_STATE = {"solved": "ever_correct", "skipped_updates": "skipped_optimizer
 
 def read_trainer_json(directory: str | Path) -> dict:
     """The `trainer` part of a checkpoint (its resolved config under "config")."""
-    trainer = json.loads((Path(directory) / "trainer.json").read_text())
+    path = Path(directory) / "trainer.json"
+    trainer = json.loads(path.read_text())
+    both = [f"{old} and {new}" for old, new in RENAMED_STATE.items() if old in trainer and new in trainer]
+    if both:
+        raise CheckpointError(f"{path}: {'; '.join(both)} are both set, an old name and its new one: which was "
+                              "meant is unknown")
     return {RENAMED_STATE.get(key, key): value for key, value in trainer.items()}
 
 

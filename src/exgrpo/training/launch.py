@@ -151,7 +151,10 @@ def start_point(config: ExGRPOConfig, resume: bool, log: Callable[[str], None] =
         raise ConfigError(f"cannot resume {checkpoint} with train.steps {config.train.steps}: the run is at step "
                           f"{checkpoint_step(checkpoint)} already (train.steps is the run's length, not the steps to "
                           "add)")
-    algorithmic, harmless = config_changes(read_trainer_json(checkpoint)["config"], config.to_dict())
+    try:
+        algorithmic, harmless = config_changes(read_trainer_json(checkpoint)["config"], config.to_dict())
+    except ConfigError as e:  # the stored config's own problem (a renamed field set under both names)
+        raise ConfigError(f"{checkpoint / 'trainer.json'}: config: {e}") from None
     if algorithmic:
         raise ConfigError(f"cannot resume {checkpoint} with a config that changes the algorithm: "
                           f"{'; '.join(algorithmic)} (start a new run in another logging.output_dir instead)")
