@@ -163,7 +163,7 @@ def _experiment(args) -> int:
 
 def _serve(args, overrides) -> int:
     """Start (or with --print, show) the `vllm serve` server of a rollout.engine servers run."""
-    from exgrpo.rollout.serve import exec_server, refuse_a_port_in_use, server_command
+    from exgrpo.rollout.serve import refuse_a_port_in_use, run_server, server_command
 
     config = load_config(args.config, overrides)
     if config.rollout.engine != "servers":
@@ -175,8 +175,7 @@ def _serve(args, overrides) -> int:
     if args.print:
         print(" ".join(f"{k}={v}" for k, v in env.items()), shlex.join(argv))
         return 0
-    exec_server(argv, env)
-    return 1  # not reached: the server replaced this process
+    return run_server(argv, env)
 
 
 def _export(args) -> int:

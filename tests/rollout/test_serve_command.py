@@ -1,17 +1,22 @@
 """`exgrpo serve`: the `vllm serve` command of a rollout.engine servers run, assembled from its config (the
 servers themselves are started in tests/rollout/test_servers.py)."""
 
+import getpass
 import importlib.util
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
-from conftest import run_cli
+from conftest import alive, run_cli
 
 from exgrpo.models import smollm2_directory
+from exgrpo.rollout.serve import SCRATCH_PREFIX
+from exgrpo.runtime.scratch import owned_temp_dir, remove_orphans
 
 SERVERS = ["--config", "configs/demo.yaml", "rollout.engine=servers", "rollout.servers=http://127.0.0.1:8000"]
 
@@ -50,9 +55,9 @@ def test_serve_on_a_port_in_use_says_so_before_vllm_starts(monkeypatch):
         in result.stderr, result.stderr
 
 
-def test_a_server_keeps_vllms_ipc_files_in_a_directory_the_next_server_sweeps(tmp_path):
-    """`exgrpo serve` execs vLLM with its IPC sockets and vllm_dist_* files in exgrpo-serve-<pid>-*; once that
-    server is gone, the next `exgrpo serve` removes them. (Here the exec'd server stops at once: no vLLM.)"""
+def test_a_server_that_stops_leaves_nothing_in_the_temp_dir(tmp_path):
+    """`exgrpo serve` runs vLLM with its IPC sockets and vllm_dist_* files in exgrpo-serve-<pid>-*, and removes
+    that directory when the server stops. (Here the server stops at once: no vLLM.)"""
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here: exgrpo serve would start a real server")
     root = __file__.rsplit("/tests/", 1)[0]
@@ -61,13 +66,46 @@ def test_a_server_keeps_vllms_ipc_files_in_a_directory_the_next_server_sweeps(tm
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "exgrpo", "serve", *SERVERS, "rollout.max_model_len=128", "--port", str(port)]
     env = {**os.environ, "TMPDIR": str(tmp_path), "HF_HUB_OFFLINE": "1"}
-    first = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert "No module named 'vllm'" in first.stderr, first.stderr[-3000:]  # exec'd: vLLM's own server module
-    left = sorted(p.name for p in tmp_path.glob("exgrpo-serve-*"))
-    assert len(left) == 1 and not any(tmp_path.glob("vllm_dist_*")), left
-    subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    now = sorted(p.name for p in tmp_path.glob("exgrpo-serve-*"))
-    assert len(now) == 1 and now != left  # the first server's is gone, the second's waits for the next
+    result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and "No module named 'vllm'" in result.stderr, result.stderr[-3000:]
+    assert [p.name for p in tmp_path.iterdir()] == ["torchinductor_" + getpass.getuser()]  # the shared compile cache
+
+
+#: a stand-in for `vllm serve` (the seam: the server's command line): says its pid and the pid its engine processes
+#: would watch, then serves until stopped
+FAKE_SERVER = ("import os, sys, time; print(os.getpid(), os.environ['EXGRPO_SERVER_PID'], os.environ['TMPDIR'], "
+               "flush=True); time.sleep(120)")
+
+
+def _serve_fake(tmp_path) -> tuple[subprocess.Popen, int, str]:
+    supervisor = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from exgrpo.rollout.serve import run_server; "
+         f"sys.exit(run_server([sys.executable, '-c', {FAKE_SERVER!r}], {{}}))"],
+        env={**os.environ, "TMPDIR": str(tmp_path)}, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    pid, watched, scratch = supervisor.stdout.readline().split()
+    assert pid == watched and scratch.startswith(str(tmp_path / f"exgrpo-serve-{supervisor.pid}-"))
+    return supervisor, int(pid), scratch
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_server_is_stopped_with_its_signal_and_its_directory_removed(tmp_path, stop):
+    supervisor, server, _ = _serve_fake(tmp_path)
+    supervisor.send_signal(stop)
+    assert supervisor.wait(timeout=60) == 128 + stop  # the server's own end, passed on
+    assert not alive(server) and not list(tmp_path.glob(f"{SCRATCH_PREFIX}*"))
+
+
+def test_a_server_dies_with_a_killed_exgrpo_serve_and_the_next_one_removes_its_directory(tmp_path):
+    supervisor, server, scratch = _serve_fake(tmp_path)
+    supervisor.kill()
+    supervisor.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while alive(server) and time.monotonic() < deadline:  # stopped by the parent-death signal
+        time.sleep(0.1)
+    assert not alive(server) and os.path.isdir(scratch)
+    owned_temp_dir(SCRATCH_PREFIX, str(tmp_path))  # what the next `exgrpo serve` does first
+    assert not os.path.exists(scratch)
+    remove_orphans(SCRATCH_PREFIX, str(tmp_path))
 
 
 @pytest.mark.parametrize("port", ["-1", "0", "70000", "http"])

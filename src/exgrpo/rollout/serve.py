@@ -15,9 +15,13 @@ The learner pushes its weights when it connects, so a server may start from the 
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import getpass
 import json
 import os
+import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -31,10 +35,11 @@ from exgrpo.runtime.scratch import owned_temp_dir
 
 #: a server's scratch directory in the temp directory (its IPC sockets and vllm_dist_* files): <prefix><pid>-XXXX
 SCRATCH_PREFIX = "exgrpo-serve-"
-#: set by `exgrpo serve` to its pid, which the `vllm serve` it becomes keeps: the server's engine processes watch it
+#: set by `exgrpo serve` to the pid of the `vllm serve` process it starts: the server's engine processes watch it
 SERVER_PID_VARIABLE = "EXGRPO_SERVER_PID"
 #: the worker extension the servers load: importing it registers our weight-transfer backends in their workers
 WORKER_EXTENSION = "exgrpo.rollout.weight_transfer.WorkerExtension"
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def server_command(config: ExGRPOConfig, host: str, port: int, extra: list[str] = ()) -> tuple[list[str], dict]:
@@ -114,19 +119,48 @@ def refuse_a_port_in_use(host: str, port: int) -> None:
                               "there? pick another --port)") from None
 
 
-def exec_server(argv: list[str], env: dict) -> None:
-    """Replace this process with the server (signals, exit status and logs are vLLM's own). vLLM's IPC sockets and
-    `vllm_dist_*` files, which it leaves in the temp directory, go into a directory named after this process (the
-    server keeps its pid), and the next `exgrpo serve` on the machine removes those of servers that are gone.
-    torch's compile cache stays where it is without that directory, shared by every start (a fresh one per server
-    would compile again at each start and leave ~150 MB behind): `share_compile_cache`."""
+def run_server(argv: list[str], env: dict) -> int:
+    """Run the server until it stops, then remove its scratch directory; return its exit status. vLLM's IPC sockets
+    and `vllm_dist_*` files, which it leaves in the temp directory, go into a directory named after this process;
+    if this process is killed with SIGKILL, the server stops with it and the next `exgrpo serve` on the machine
+    removes the directory. SIGTERM, SIGINT and SIGHUP are passed to the server, whose logs are its own. torch's
+    compile cache stays where it is, shared by every start (a fresh one per server would compile again at each
+    start and leave ~150 MB behind): `share_compile_cache`."""
     compile_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or \
         os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")  # torch's default
     scratch = owned_temp_dir(SCRATCH_PREFIX)
-    share_compile_cache(scratch, compile_cache)
-    os.execvpe(argv[0], argv, {**os.environ, **env, "VLLM_RPC_BASE_PATH": scratch, "TMPDIR": scratch,
-                               "TORCHINDUCTOR_CACHE_DIR": compile_cache,
-                               SERVER_PID_VARIABLE: str(os.getpid())})  # its engine processes die with it
+    try:
+        share_compile_cache(scratch, compile_cache)
+        server = _start(argv, {**os.environ, **env, "VLLM_RPC_BASE_PATH": scratch, "TMPDIR": scratch,
+                               "TORCHINDUCTOR_CACHE_DIR": compile_cache})
+        for stop in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(stop, lambda number, _: _signal(server, number))
+        status = os.waitstatus_to_exitcode(os.waitpid(server, 0)[1])
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 128 - status if status < 0 else status  # killed by signal N: the shell's 128 + N
+
+
+def _start(argv: list[str], env: dict) -> int:
+    """Fork and exec the server with its own pid in SERVER_PID_VARIABLE (its engine processes watch it: they die
+    with it however it dies), stopped by SIGTERM if this process dies first (Linux's parent-death signal)."""
+    libc, parent = ctypes.CDLL(None, use_errno=True), os.getpid()  # before the fork: the child only calls and execs
+    server = os.fork()
+    if server == 0:
+        try:
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() == parent:  # else this process died before the signal was set
+                os.execvpe(argv[0], argv, {**env, SERVER_PID_VARIABLE: str(os.getpid())})
+        except OSError as e:
+            os.write(2, f"exgrpo serve: cannot start {argv[0]}: {e.strerror or e}\n".encode())
+        finally:
+            os._exit(127)
+    return server
+
+
+def _signal(server: int, number: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # it stopped already
+        os.kill(server, number)
 
 
 def share_compile_cache(scratch: str, compile_cache: str) -> None:

@@ -314,9 +314,9 @@ def register() -> None:
 
 
 def _die_with_the_server() -> None:
-    """In an engine process of a server `exgrpo serve` started (it becomes `vllm serve`, keeping its pid): die with
-    the server, as a learner's engine dies with the learner. Elsewhere (the server's own process, a learner's
-    engine) nothing."""
+    """In an engine process of a server `exgrpo serve` started (the `vllm serve` process whose pid it was given):
+    die with the server, as a learner's engine dies with the learner. Elsewhere (the server's own process, a
+    learner's engine) nothing."""
     server = int(os.environ.get(SERVER_PID_VARIABLE, os.getpid()))
     if server in (os.getppid(), _parent_of(os.getppid())):
         exit_with(server)
