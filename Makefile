@@ -42,14 +42,14 @@ demo: $(STAMP)
 # trained once, by whichever worker asks first).
 test:
 	$(MAKE) --no-print-directory -j2 $(STAMP) $(VLLM_STAMP)
-	$(PY) -m pytest -q -n 2 --durations=10
-	$(VLLM_VENV)/bin/python -m pytest -q -n 2 --durations=10 $(VLLM_TESTS)
+	$(PY) -m pytest -q -n 2 --dist worksteal --durations=10
+	$(VLLM_VENV)/bin/python -m pytest -q -n 2 --dist worksteal --durations=10 $(VLLM_TESTS)
 
 # Whole-system scenarios of ~2 min or more each (marked heavy): CI runs them after `make test` (.ci/run), so that the
 # suite every change pays stays inside its 12 minutes.
 test-heavy:
 	$(MAKE) --no-print-directory -j2 $(STAMP) $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q -n 2 --durations=10 -m heavy $(VLLM_TESTS)
+	$(VLLM_VENV)/bin/python -m pytest -q -n 2 --dist worksteal --durations=10 -m heavy $(VLLM_TESTS)
 
 # The wheel installed into a fresh venv and run outside the checkout (.ci/wheel_check.sh; ~1 min with a warm cache)
 test-wheel: $(STAMP)
@@ -72,10 +72,10 @@ $(COMPAT_STAMP): pyproject.toml | $(UV)
 	touch $(COMPAT_STAMP)
 
 test-compat: $(COMPAT_STAMP)
-	$(COMPAT_VENV)/bin/python -m pytest -q -n 2 --durations=5 $(CORE_TESTS)
+	$(COMPAT_VENV)/bin/python -m pytest -q -n 2 --dist worksteal --durations=5 $(CORE_TESTS)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n 2 -m "not slow and not exhaustive"
+	$(PY) -m pytest -q -n 2 --dist worksteal -m "not slow and not exhaustive"
 
 bench: $(STAMP)
 	$(PY) bench/buffer.py
@@ -100,7 +100,7 @@ $(VLLM_STAMP): pyproject.toml constraints-vllm.txt | $(UV)
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q -n 2 --durations=10 $(VLLM_TESTS)
+	$(VLLM_VENV)/bin/python -m pytest -q -n 2 --dist worksteal --durations=10 $(VLLM_TESTS)
 
 # TRL comparison (bench/trl_process.py, bench/step_time.py) in its own venv, so that .venv never gets trl/datasets.
 BENCH_VENV := .venv-bench

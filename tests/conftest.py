@@ -43,6 +43,13 @@ def pytest_configure(config):
     config.exgrpo_tmpdir = Path(root)
 
 
+def pytest_collection_modifyitems(config, items):
+    """The modules with the most slow tests first, each module's tests together and in their order: two xdist
+    workers then do not end on a long test that started last."""
+    slow = Counter(item.module for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.module])
+
+
 def pytest_unconfigure(config):
     """Remove the session's temporary directory, saying what the tests' processes left in it besides pytest's own
     base temp (a leak to mend: it would stay in the temp dir outside the suite)."""
