@@ -68,7 +68,8 @@ def test_a_server_that_stops_leaves_nothing_in_the_temp_dir(tmp_path):
     env = {**os.environ, "TMPDIR": str(tmp_path), "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1 and "No module named 'vllm'" in result.stderr, result.stderr[-3000:]
-    assert [p.name for p in tmp_path.iterdir()] == ["torchinductor_" + getpass.getuser()]  # the shared compile cache
+    # nothing but torch's compile cache, shared by every server (in the temp dir unless TORCHINDUCTOR_CACHE_DIR says)
+    assert {p.name for p in tmp_path.iterdir()} <= {"torchinductor_" + getpass.getuser()}
 
 
 #: a stand-in for `vllm serve` (the seam: the server's command line): says its pid and the pid its engine processes
