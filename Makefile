@@ -38,18 +38,18 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/exgrpo demo
 
-# Both venvs are built at once, then each suite runs on two pytest-xdist workers (a run the vLLM tests share is
-# trained once, by whichever worker asks first).
+# Both venvs are built at once, then each suite runs on two pytest-xdist workers: the core suite's steal work from
+# each other; the vLLM suite's readers of a shared run go to one worker, which trains it once (`xdist_group`).
 test:
 	$(MAKE) --no-print-directory -j2 $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q -n 2 --dist worksteal --durations=10
-	$(VLLM_VENV)/bin/python -m pytest -q -n 2 --dist worksteal --durations=10 $(VLLM_TESTS)
+	$(VLLM_VENV)/bin/python -m pytest -q -n 2 --dist loadgroup --durations=10 $(VLLM_TESTS)
 
 # Whole-system scenarios of ~2 min or more each (marked heavy): CI runs them after `make test` (.ci/run), so that the
 # suite every change pays stays inside its 12 minutes.
 test-heavy:
 	$(MAKE) --no-print-directory -j2 $(STAMP) $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q -n 2 --dist worksteal --durations=10 -m heavy $(VLLM_TESTS)
+	$(VLLM_VENV)/bin/python -m pytest -q -n 2 --dist loadgroup --durations=10 -m heavy $(VLLM_TESTS)
 
 # The wheel installed into a fresh venv and run outside the checkout (.ci/wheel_check.sh; ~1 min with a warm cache)
 test-wheel: $(STAMP)
@@ -100,7 +100,7 @@ $(VLLM_STAMP): pyproject.toml constraints-vllm.txt | $(UV)
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q -n 2 --dist worksteal --durations=10 $(VLLM_TESTS)
+	$(VLLM_VENV)/bin/python -m pytest -q -n 2 --dist loadgroup --durations=10 $(VLLM_TESTS)
 
 # TRL comparison (bench/trl_process.py, bench/step_time.py) in its own venv, so that .venv never gets trl/datasets.
 BENCH_VENV := .venv-bench

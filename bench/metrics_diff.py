@@ -21,7 +21,8 @@ Every metric is compared exactly (NaN equals NaN) except wall times and throughp
 tokens_per_second, async/engine_idle, async/learner_idle. Prints per setting "identical" or the first differing
 step with each differing key's two values; exits 1 on any difference or failed run. A tiny setting takes ~30 s
 per side on 2 cores; a demo setting ~2 min (estimated from `make demo`: 15 steps in 5 min 16 s) and more with the
-machine shared.
+machine shared. Run it alone: beside another job, demo-sync's entropy and grad_norm differed in the 7th digit from
+step 2 (2026-12-06; identical when rerun alone), as if the CPU's math library split its sums by the machine's load.
 """
 
 from __future__ import annotations

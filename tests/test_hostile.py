@@ -180,7 +180,7 @@ def one_unretired_question_left(d):
 
 def ctrl_c_while_grading(d):
     proc = start(d, "reward.function=toy_rewards:slow_lowercase", "reward.workers=1", "reward.timeout=60",
-                 "train.steps=400", "train.save_every=0")
+                 "train.steps=400", "train.save_every=0", "train.prompts_per_step=2", "rollout.num_generations=2")
     wait_for_steps(d, 1, proc)
     time.sleep(0.5)  # into the next step's grading (0.5 s per completion)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground process group

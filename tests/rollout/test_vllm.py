@@ -159,6 +159,11 @@ def _shared_run(tmp_path_factory, name: str, *extra):
     return run_dir, _metrics(run_dir)
 
 
+#: the tests of a shared run go to one xdist worker (`--dist loadgroup`), which trains it while the other worker runs
+#: other tests, instead of waiting for it
+READS_FULL_RUN, READS_ASYNC_RUN = pytest.mark.xdist_group("full_run"), pytest.mark.xdist_group("async_run")
+
+
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
     """A 4-step run (checkpoints after every step) and its metrics."""
@@ -176,6 +181,7 @@ def _same_run(got, want, loss_rel=1e-4, loss_abs=1e-7):
         assert a["loss"] == pytest.approx(b["loss"], rel=loss_rel, abs=loss_abs)
 
 
+@READS_FULL_RUN
 @pytest.mark.slow
 def test_exgrpo_with_the_vllm_engine_switches_replays_and_resumes_exactly(tmp_path, full_run):
     run_dir, full = full_run
@@ -198,6 +204,7 @@ def test_exgrpo_with_the_vllm_engine_switches_replays_and_resumes_exactly(tmp_pa
     _assert_nothing_left_of(process.pid, shared)
 
 
+@READS_FULL_RUN
 @pytest.mark.slow
 @pytest.mark.heavy
 def test_two_fsdp_ranks_with_one_engine_each_match_one_process(tmp_path, full_run):
@@ -212,6 +219,7 @@ def test_two_fsdp_ranks_with_one_engine_each_match_one_process(tmp_path, full_ru
         assert f"rank {rank}: vLLM engine on cpu (engine rank {rank}, local rank {rank})" in result.stderr
 
 
+@READS_FULL_RUN
 @pytest.mark.slow
 def test_an_exported_checkpoint_loads_in_vllm_with_its_chat_template(tmp_path, full_run, monkeypatch):
     """`exgrpo export RUN OUT --merge` of the LoRA run: vLLM loads OUT by itself, and its greedy tokens are
@@ -252,6 +260,7 @@ def _assert_nothing_left_of(pid: int, shared: set[str]) -> None:
     assert not left and not [f for f in shared if Path(f).exists()], (left, shared)
 
 
+@READS_ASYNC_RUN
 @pytest.mark.slow
 @pytest.mark.heavy
 def test_an_async_run_resumes_exactly_after_a_sigkill_and_leaves_nothing(tmp_path, async_run):
@@ -271,6 +280,7 @@ def test_an_async_run_resumes_exactly_after_a_sigkill_and_leaves_nothing(tmp_pat
     _assert_nothing_left_of(process.pid, shared)
 
 
+@READS_ASYNC_RUN
 @pytest.mark.slow
 def test_an_async_run_is_one_step_off_policy_and_exgrpo_buffer_shows_what_it_stored(async_run):
     run_dir, whole = async_run
@@ -288,6 +298,7 @@ def test_an_async_run_is_one_step_off_policy_and_exgrpo_buffer_shows_what_it_sto
             assert 0 <= t["policy_version"] <= 3 and t["age"] >= 1 and t["text"]
 
 
+@READS_FULL_RUN
 @pytest.mark.slow
 def test_async_with_staleness_zero_is_the_sync_run_until_a_killed_engine_stops_it_clearly(tmp_path, full_run):
     """The engine in its own process, weights through vLLM's weight-transfer interface, s = 0: sync's run, step for

@@ -15,6 +15,11 @@ A study file (YAML; paths relative to it)::
     registered:                         # the verdict rules and power statement, fixed before the runs (Registration)
       {primary: late_mean, late_evaluations: 3, verdict_rule: interval, effect: 0.035, equivalence: 0.02,
        power_sd: 0.027, power_effects: [0.02, 0.035]}
+
+A pilot registers its criteria instead (`exgrpo.studies.criteria`)::
+
+    registered:
+      criteria: {"entropy at step 30": {measure: entropy, step: 30, at_least: 0.3}}
 """
 
 from __future__ import annotations
