@@ -11,6 +11,7 @@ import re
 import sys
 from pathlib import Path
 
+from exgrpo.rewards.arithmetic import SIGNED_NUMBER
 from exgrpo.runtime.tracking import read_metrics
 from exgrpo.studies.criteria import PilotRun
 from exgrpo.studies.study import load_study
@@ -30,7 +31,7 @@ def write_samples(run_dir: Path) -> Path:
     """Every logged sample, for reading by hand: reward, gold answer, the last number stated."""
     lines = []
     for s in read_metrics(run_dir / "samples.jsonl"):
-        numbers = re.findall(r"-?\d+(?:\.\d+)?", s["completion"])
+        numbers = re.findall(SIGNED_NUMBER, s["completion"])
         lines.append(f"--- step {s['step']} {s['question_id']} gold {s['answer']} reward {s['reward']} "
                      f"replayed {s['replayed']} last number {numbers[-1] if numbers else None}\n{s['completion']}\n")
     out = run_dir / "samples_to_read.txt"

@@ -49,3 +49,42 @@ def test_a_bad_criterion_is_one_line_naming_it(spec, said):
     with pytest.raises(ConfigError, match="study.yaml: registered.criteria.c: ") as e:
         criteria_from({"c": spec}, "study.yaml: registered.criteria")
     assert said in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_pilot_script_reads_a_study_files_criteria_from_its_runs(tmp_path, capsys):
+    """bench/pilot_criteria.py on a study's run directories (written here, not trained): each run's evaluations and
+    criteria, and its logged samples written out to read."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from exgrpo.studies.study import load_study
+
+    study_file = tmp_path / "pilot.yaml"
+    study_file.write_text("base: tiny\noutput_dir: runs\nseeds: [1]\nbaseline: grpo\n"
+                          "arms: {grpo: {overrides: [experience.ratio=0]}, exgrpo: {}}\n"
+                          "registered:\n  criteria:\n"
+                          "    learning: {measure: learning, at_least: 0.1}\n"
+                          "    replayed: {measure: replayed_steps, from_step: 2, at_least: 2}\n")
+    study = load_study(study_file)
+    for arm in study.arms:
+        run = study.run_dir(arm, 1)
+        run.mkdir(parents=True)
+        rows = [{"step": s, "experience/replayed": 1} for s in (1, 2, 3)] + [{"step": 4, "eval/accuracy": 0.5}]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (run / "samples.jsonl").write_text(json.dumps({"step": 2, "question_id": "q1", "answer": "7", "reward": 1.0,
+                                                       "replayed": False, "completion": "3 + 4 = 7"}) + "\n")
+        initial = study.initial_eval_path(study.config(arm, 1))
+        initial.parent.mkdir(parents=True, exist_ok=True)
+        initial.write_text(json.dumps({"accuracy": 0.25}))
+    spec = importlib.util.spec_from_file_location("pilot_criteria",
+                                                  Path(__file__).parents[2] / "bench" / "pilot_criteria.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main(str(study_file))
+    lines = capsys.readouterr().out.splitlines()
+    grpo, exgrpo = (json.loads(line.split(": ", 1)[1].rsplit("; samples in", 1)[0]) for line in lines)
+    assert grpo == {"evaluations": {"0": 25.0, "4": 50.0}, "learning": [0.25, "met"], "replayed": None}
+    assert exgrpo["replayed"] == [2, "met"]
+    written = (study.run_dir(study.arm("exgrpo"), 1) / "samples_to_read.txt").read_text()
+    assert "gold 7 reward 1.0 replayed False last number 7\n3 + 4 = 7" in written
