@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -142,7 +143,9 @@ def test_one_process_optimizer_state_is_keyed_by_name_and_loads_back():
 
 def test_ddp_wraps_the_model_and_a_rank_without_rows_still_joins_the_reduction(group):
     model = net()
-    p = parallelism(model, TrainConfig(sharding="ddp"), GroupOfOne(), "global")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # torch 2.13 deprecates broadcast_buffers
+        p = parallelism(model, TrainConfig(sharding="ddp"), GroupOfOne(), "global")
     assert isinstance(p, Replicated) and isinstance(p.train_model, torch.nn.parallel.DistributedDataParallel)
     assert p.train_model.module is model and p.model is model
     assert (p.shards_weights, p.casts_parameters, p.prompt_sharing) == (False, False, "auto")

@@ -10,6 +10,7 @@ optimizer state.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import ContextManager, Protocol
 
 import torch
@@ -134,9 +135,9 @@ class Replicated(_AcrossRanks):
 
     def __init__(self, model: torch.nn.Module, train: TrainConfig, dist: Distributed, loss_scale: str):
         super().__init__(model, dist, loss_scale)
-        # no buffer broadcast: the model's buffers (e.g. rotary frequencies) never change, and without it ranks may
-        # run different numbers of forward passes (one gradient all-reduce per mini-batch is what must match)
-        self.train_model = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+        # no buffer broadcast at each forward: the model's buffers (e.g. rotary frequencies) never change, and without
+        # it ranks may run different numbers of forward passes (one gradient all-reduce per mini-batch must match)
+        self.train_model = torch.nn.parallel.DistributedDataParallel(model, **_no_forward_buffer_sync())
 
     def backward_passes(self, micro_batches: int) -> int:
         return max(micro_batches, 1)  # a rank without rows still joins the one all-reduce
@@ -174,6 +175,14 @@ class Sharded(_AcrossRanks):
 
     def checkpoint_weights(self) -> dict | None:
         return full_model_state(self.model)
+
+
+def _no_forward_buffer_sync() -> dict:
+    """DDP's setting for no buffer broadcast at each forward: `forward_sync_buffers=False` from torch 2.13, which
+    deprecates the old name; torch 2.11 and 2.12 know only `broadcast_buffers=False`. (The new setting still syncs
+    the buffers once, when DDP is built: they are the same on every rank anyway.)"""
+    parameters = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers": False} if "forward_sync_buffers" in parameters else {"broadcast_buffers": False}
 
 
 _ACROSS_RANKS = {"ddp": Replicated, "fsdp": Sharded}
