@@ -46,7 +46,8 @@ def _late_gain(run: PilotRun, from_step: int) -> float | None:
     return float(np.mean(late)) - run.start if late else None
 
 
-def _medium_share(run: PilotRun, step: int) -> float | None:
+def _medium_share(run: PilotRun, step: int | None = None) -> float | None:
+    step = run.last if step is None else step
     total = sum(v for key, v in run.by_step[step].items() if key.startswith("experience/bucket_"))
     return run.medium_questions(step) / total if total else None
 
