@@ -32,6 +32,7 @@ def test_each_measure_reads_the_run():
     assert _read({"measure": "medium_share", "step": 20}) == (0.25, None)  # a figure without a bound
     assert _read({"measure": "medium_share", "step": 30, "at_least": 0.4}) == (0.4, True)
     assert _read({"measure": "medium_share"}) == (0.4, None)  # the last step's, without a step
+    assert _read({"measure": "medium_share", "step": 50, "at_least": 0.4}) == (None, None)  # a step not logged
     assert _read({"measure": "medium_supply", "from_step": 25, "to_step": 40, "at_least": 12}) == (11, False)
     assert _read({"measure": "replayed_steps", "from_step": 11, "at_least": 15}) == (15, True)
     assert _read({"measure": "replayed_steps", "from_step": 11}, _run(replays=False)) == (None, None)

@@ -48,8 +48,8 @@ def _late_gain(run: PilotRun, from_step: int) -> float | None:
 
 def _medium_share(run: PilotRun, step: int | None = None) -> float | None:
     step = run.last if step is None else step
-    total = sum(v for key, v in run.by_step[step].items() if key.startswith("experience/bucket_"))
-    return run.medium_questions(step) / total if total else None
+    total = sum(v for key, v in run.by_step.get(step, {}).items() if key.startswith("experience/bucket_"))
+    return run.medium_questions(step) / total if total else None  # None: nothing logged, or an empty buffer
 
 
 def _medium_supply(run: PilotRun, from_step: int, to_step: int) -> int:
@@ -82,8 +82,8 @@ MEASURES: dict[str, tuple[Callable[..., float | int | None], tuple[str, ...]]] =
     "medium_share": (_medium_share, ("step",)),  # the buffer's share at k = 2..K-2
     "medium_supply": (_medium_supply, ("from_step", "to_step")),  # steps whose medium buckets fill every replay slot
     "replayed_steps": (_replayed_steps, ("from_step",)),  # steps from `from_step` to the last that replayed
-    "max_pass_at_1": (lambda run, to_step: max(run.by_step[s]["batch/pass_at_1"] for s in range(1, to_step + 1)),
-                      ("to_step",)),
+    "max_pass_at_1": (lambda run, to_step: max((run.by_step[s]["batch/pass_at_1"] for s in range(1, to_step + 1)
+                                                 if s in run.by_step), default=None), ("to_step",)),
 }
 _OPTIONAL = {"step"}
 
