@@ -78,10 +78,23 @@ FAKE_SERVER = ("import os, sys, time; print(os.getpid(), os.environ['EXGRPO_SERV
                "flush=True); time.sleep(120)")
 
 
-def _serve_fake(tmp_path) -> tuple[subprocess.Popen, int, str]:
+#: a stand-in that counts the SIGINTs it gets (a second would come at once) and exits with their number
+COUNTING_SERVER = """
+import os, signal, sys, time
+got = []
+signal.signal(signal.SIGINT, lambda number, frame: got.append(number))
+print(os.getpid(), os.environ['EXGRPO_SERVER_PID'], os.environ['TMPDIR'], flush=True)
+while not got:
+    time.sleep(0.05)
+time.sleep(1)
+sys.exit(len(got))
+"""
+
+
+def _serve_fake(tmp_path, server: str = FAKE_SERVER) -> tuple[subprocess.Popen, int, str]:
     supervisor = subprocess.Popen(
         [sys.executable, "-c", "import sys; from exgrpo.rollout.serve import run_server; "
-         f"sys.exit(run_server([sys.executable, '-c', {FAKE_SERVER!r}], {{}}))"],
+         f"sys.exit(run_server([sys.executable, '-c', {server!r}], {{}}))"],
         env={**os.environ, "TMPDIR": str(tmp_path)}, stdout=subprocess.PIPE, text=True, start_new_session=True)
     pid, watched, scratch = supervisor.stdout.readline().split()
     assert pid == watched and scratch.startswith(str(tmp_path / f"exgrpo-serve-{supervisor.pid}-"))
@@ -94,6 +107,14 @@ def test_a_stopped_server_is_stopped_with_its_signal_and_its_directory_removed(t
     supervisor.send_signal(stop)
     assert supervisor.wait(timeout=60) == 128 + stop  # the server's own end, passed on
     assert not alive(server) and not list(tmp_path.glob(f"{SCRATCH_PREFIX}*"))
+
+
+def test_ctrl_c_in_a_terminal_reaches_the_server_once(tmp_path):
+    """A terminal's Ctrl-C is SIGINT to its foreground process group: `exgrpo serve` passes it on, and the server,
+    in a group of its own, gets it from there alone."""
+    supervisor, _, _ = _serve_fake(tmp_path, COUNTING_SERVER)
+    os.killpg(supervisor.pid, signal.SIGINT)
+    assert supervisor.wait(timeout=60) == 1
 
 
 def test_a_server_dies_with_a_killed_exgrpo_serve_and_the_next_one_removes_its_directory(tmp_path):

@@ -260,8 +260,10 @@ def test_a_killed_server_stops_the_run_clearly_with_its_checkpoint_intact(tmp_pa
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         wait_for_checkpoint(run_dir, 2, process)
-        engine = descendants(processes[1].pid)  # its engine core, workers and resource tracker
-        os.kill(processes[1].pid, signal.SIGKILL)  # the server's own process only, as an OOM killer would
+        (server,) = map(int, subprocess.run(["pgrep", "-P", str(processes[1].pid)], capture_output=True,
+                                            text=True).stdout.split())  # the vLLM server `exgrpo serve` runs
+        engine = descendants(server)  # its engine core, workers and resource tracker
+        os.kill(server, signal.SIGKILL)  # the server's own process only, as an OOM killer would
         _, stderr = process.communicate(timeout=120)
     finally:
         with contextlib.suppress(ProcessLookupError):

@@ -143,11 +143,14 @@ def run_server(argv: list[str], env: dict) -> int:
 
 def _start(argv: list[str], env: dict) -> int:
     """Fork and exec the server with its own pid in SERVER_PID_VARIABLE (its engine processes watch it: they die
-    with it however it dies), stopped by SIGTERM if this process dies first (Linux's parent-death signal)."""
+    with it however it dies), stopped by SIGTERM if this process dies first (Linux's parent-death signal). It runs
+    in a process group of its own, so that a terminal's Ctrl-C reaches it once, passed on by this process (twice,
+    vLLM's server would stop at once, without shutting its engine down)."""
     libc, parent = ctypes.CDLL(None, use_errno=True), os.getpid()  # before the fork: the child only calls and execs
     server = os.fork()
     if server == 0:
         try:
+            os.setpgid(0, 0)
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
             if os.getppid() == parent:  # else this process died before the signal was set
                 os.execvpe(argv[0], argv, {**env, SERVER_PID_VARIABLE: str(os.getpid())})
