@@ -12,25 +12,23 @@ import sys
 from pathlib import Path
 
 from exgrpo.rewards.arithmetic import SIGNED_NUMBER
-from exgrpo.runtime.tracking import read_metrics
 from exgrpo.studies.criteria import PilotRun
-from exgrpo.studies.study import load_study
+from exgrpo.studies.study import RunResult, load_study, read_run
 
 
-def pilot_run(study, arm, seed: int) -> PilotRun:
-    config = study.config(arm, seed)
+def pilot_run(result: RunResult, baseline: str) -> PilotRun:
     by_step: dict[int, dict] = {}
-    for row in read_metrics(study.run_dir(arm, seed) / "metrics.jsonl"):
+    for row in result.history:
         by_step.setdefault(row["step"], {}).update(row)
-    start = json.loads(study.initial_eval_path(config).read_text())["accuracy"]
-    return PilotRun(by_step, start, config.train.steps, config.rollout.num_generations,
-                    int(config.train.prompts_per_step * config.experience.ratio), arm.name != study.baseline)
+    config = result.config
+    return PilotRun(by_step, result.initial["accuracy"], config.train.steps, config.rollout.num_generations,
+                    int(config.train.prompts_per_step * config.experience.ratio), result.arm.name != baseline)
 
 
-def write_samples(run_dir: Path) -> Path:
+def write_samples(run_dir: Path, samples: list[dict]) -> Path:
     """Every logged sample, for reading by hand: reward, gold answer, the last number stated."""
     lines = []
-    for s in read_metrics(run_dir / "samples.jsonl"):
+    for s in samples:
         numbers = re.findall(SIGNED_NUMBER, s["completion"])
         lines.append(f"--- step {s['step']} {s['question_id']} gold {s['answer']} reward {s['reward']} "
                      f"replayed {s['replayed']} last number {numbers[-1] if numbers else None}\n{s['completion']}\n")
@@ -50,12 +48,13 @@ def main(study_file: str, *arms: str) -> None:
     for name in arms or [a.name for a in study.arms]:
         arm = study.arm(name)
         for seed in arm.seeds:
-            run = pilot_run(study, arm, seed)
+            logged = read_run(study, arm, seed)
+            run = pilot_run(logged, study.baseline)
             result = {"evaluations": {s: round(100 * a, 1) for s, a in run.evaluations.items()}}
             for criterion in study.registered.criteria:
                 value, met = criterion.read(run)
                 result[criterion.name] = _shown(value) if met is None else [_shown(value), "met" if met else "FAILED"]
-            samples = write_samples(study.run_dir(arm, seed))
+            samples = write_samples(study.run_dir(arm, seed), logged.samples)
             print(f"{name} seed {seed}: {json.dumps(result)}; samples in {samples}")
 
 

@@ -37,8 +37,12 @@ class PilotRun:
         return {0: self.start} | {s: r["eval/accuracy"] for s, r in sorted(self.by_step.items()) if "eval/accuracy" in r}
 
     def medium_questions(self, step: int) -> float:
-        """Buffer questions at k = 2..K-2 after `step`."""
-        return sum(self.by_step[step].get(f"experience/bucket_{k}", 0) for k in range(2, self.num_generations - 1))
+        return medium_questions(self.by_step[step], self.num_generations)
+
+
+def medium_questions(row: dict, num_generations: int) -> float:
+    """The buffer questions in the medium buckets (k = 2..K-2) that a step's logged `row` counts."""
+    return sum(row.get(f"experience/bucket_{k}", 0) for k in range(2, num_generations - 1))
 
 
 def _late_gain(run: PilotRun, from_step: int) -> float | None:

@@ -17,6 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from exgrpo.config import DataConfig  # noqa: E402
 from exgrpo.errors import ExgrpoWarning  # noqa: E402
 from exgrpo.runtime.provenance import code_label, read_sessions  # noqa: E402
+from exgrpo.studies.criteria import medium_questions  # noqa: E402
 from exgrpo.studies.study import Registration, RunResult, Study, load_results  # noqa: E402
 from exgrpo.training.history import mixed_phase_start  # noqa: E402
 from exgrpo.studies.statistics import paired_difference, power_statement, t_interval, verdict  # noqa: E402
@@ -371,7 +372,7 @@ def medium_bucket_supply(history: list[dict], num_generations: int) -> tuple[flo
     for before, row in zip(history, history[1:]):
         replayed = row.get("experience/replayed", 0)
         if replayed:
-            medium.append(sum(before.get(f"experience/bucket_{k}", 0) for k in range(2, num_generations - 1)))
+            medium.append(medium_questions(before, num_generations))
             filled.append(min(medium[-1], replayed) / replayed)
     return (float(np.mean(medium)), float(np.mean(filled))) if medium else None
 

@@ -381,22 +381,28 @@ class RunResult:
         return float(np.interp(points, sampled, accuracy).mean())
 
 
-def load_results(study: Study, arms: list[str] | None = None) -> list[RunResult]:
-    """Every run of the study (or of the named arms); incomplete or missing runs are named in the error."""
+def read_run(study: Study, arm: Arm, seed: int) -> RunResult:
+    """What one run of the study logged, as far as it got, and its before-training evaluation."""
     from exgrpo.runtime.tracking import read_metrics
 
+    config = study.config(arm, seed)
+    run_dir = study.run_dir(arm, seed)
+    history = read_metrics(run_dir / "metrics.jsonl")
+    samples = read_metrics(run_dir / "samples.jsonl") if (run_dir / "samples.jsonl").exists() else []
+    return RunResult(arm, seed, config, history, json.loads(study.initial_eval_path(config).read_text()), samples)
+
+
+def load_results(study: Study, arms: list[str] | None = None) -> list[RunResult]:
+    """Every run of the study (or of the named arms); incomplete or missing runs are named in the error."""
     results, missing = [], []
     for arm in [study.arm(a) for a in arms] if arms else study.arms:
         for seed in arm.seeds:
             config = study.config(arm, seed)
-            run_dir = study.run_dir(arm, seed)
-            initial = study.initial_eval_path(config)
-            if not run_complete(run_dir, config.train.steps) or not initial.exists():
+            if not run_complete(study.run_dir(arm, seed), config.train.steps) or \
+                    not study.initial_eval_path(config).exists():
                 missing.append(f"{arm.name}/seed-{seed}")
                 continue
-            history = read_metrics(run_dir / "metrics.jsonl")
-            samples = read_metrics(run_dir / "samples.jsonl") if (run_dir / "samples.jsonl").exists() else []
-            results.append(RunResult(arm, seed, config, history, json.loads(initial.read_text()), samples))
+            results.append(read_run(study, arm, seed))
     if missing:
         raise ConfigError(f"{study.path}: runs not complete yet: {', '.join(missing)} "
                           f"(run `exgrpo experiment run {study.path}`)")
