@@ -28,9 +28,13 @@ def _metrics(run_dir):
 
 
 def _launch(cmd, run_dir, *extra) -> subprocess.CompletedProcess:
-    result = subprocess.run(cmd + ["--config", str(ROOT / "configs" / "tiny.yaml"), *OVERRIDES,
-                                   f"logging.output_dir={run_dir}", *extra],
-                            capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=600)
+    """`cmd` (TORCHRUN) as processes, or ONE: `exgrpo train` in this process (the comparisons' one-process runs
+    need no process of their own)."""
+    argv = ["--config", str(ROOT / "configs" / "tiny.yaml"), *OVERRIDES, f"logging.output_dir={run_dir}", *extra]
+    if cmd is ONE:
+        result = run_cli(ONE + argv)
+    else:
+        result = subprocess.run(cmd + argv, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 
@@ -42,7 +46,7 @@ def _run(cmd, run_dir, *extra):
 
 TORCHRUN = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2", "-m", "exgrpo",
             "train"]
-ONE = [sys.executable, "-m", "exgrpo", "train"]
+ONE = ["train"]  # `exgrpo train` in this process (run_cli)
 
 
 def _one_process(tmp_path_factory, *extra):
@@ -80,19 +84,17 @@ def _assert_same_run(a_metrics, b_metrics):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lora", [False, True], ids=["full fine-tuning", "LoRA"])
-def test_fsdp_on_two_ranks_matches_one_process(tmp_path, tmp_path_factory, lora):
-    extra = ["model.lora.r=4"] if lora else []
-    two = _run(TORCHRUN, tmp_path / "fsdp", "train.sharding=fsdp", *extra)
-    one = _one_process(tmp_path_factory, *extra)
+def test_fsdp_on_two_ranks_matches_one_process(tmp_path, tmp_path_factory):
+    two = _run(TORCHRUN, tmp_path / "fsdp", "train.sharding=fsdp")
+    one = _one_process(tmp_path_factory)
     _assert_same_run(two, one)
     assert all(m["replicas/count"] == 2.0 for m in two)  # the ranks' buffers were compared every step
 
 
 @pytest.mark.slow
-def test_fsdp_checkpoints_resume_on_another_number_of_ranks(tmp_path, tmp_path_factory):
-    """A 2-rank FSDP checkpoint continues in one process and a one-process checkpoint on 2 FSDP ranks: both end
-    as the uninterrupted one-process run."""
+def test_fsdp_with_lora_matches_one_process_and_resumes_on_another_number_of_ranks(tmp_path, tmp_path_factory):
+    """LoRA on 2 FSDP ranks, steps 1-3 then 4-5: a 2-rank checkpoint continues in one process and a one-process
+    checkpoint on 2 FSDP ranks, and both end as the uninterrupted one-process run, step for step."""
     reference = _one_process(tmp_path_factory, "model.lora.r=4")
     lora = ["model.lora.r=4", "train.save_every=2"]
     fsdp = ["train.sharding=fsdp"]
@@ -103,6 +105,8 @@ def test_fsdp_checkpoints_resume_on_another_number_of_ranks(tmp_path, tmp_path_f
         resumed = _run(then, run_dir, *lora, *then_extra, "--resume", str(run_dir))
         assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))
         _assert_same_run(resumed, reference)
+        on_two_ranks = resumed[:3] if first is TORCHRUN else resumed[3:]
+        assert [m["replicas/count"] for m in on_two_ranks] == [2.0] * len(on_two_ranks)  # buffers compared
 
 
 @pytest.mark.slow

@@ -152,9 +152,10 @@ def test_kills_inside_checkpoint_writes_and_prunes_lose_nothing(tmp_path):
     sweep the scratch). Each resume ends identical to an uninterrupted run, with no scratch directories left."""
     from exgrpo.runtime.checkpoint import verify_checkpoint
 
-    reference = tmp_path / "reference"
-    proc = _train(reference)
-    assert proc.wait(timeout=300) == 0, proc.stderr.read()[-3000:]
+    reference = tmp_path / "reference"  # uninterrupted, in this process
+    done = run_cli(["train", "--config", str(ROOT / "configs" / "tiny.yaml"), *OVERRIDES,
+                    f"logging.output_dir={reference}"])
+    assert done.returncode == 0, done.stderr[-3000:]
     expected = _comparable(_metrics(reference))
     assert len(expected) == STEPS and expected[-1]["phase"] == "mixed" and expected[-1]["experience/replayed"] > 0
 

@@ -272,14 +272,23 @@ def test_the_learners_weights_are_left_as_they_are_while_an_async_engine_evaluat
 
 
 def _async_ranks(*args, ranks: int = 1):
-    """tests/training/async_ranks.py in one process or under torchrun; its metrics without wall times."""
-    script = Path(__file__).with_name("async_ranks.py")
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)] \
-        if ranks > 1 else [sys.executable]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([*launcher, str(script), *map(str, args)], capture_output=True, text=True, env=env,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    """tests/training/async_ranks.py under torchrun, or in this process for one rank; its metrics without wall
+    times."""
+    if ranks == 1:
+        import async_ranks
+
+        threads = torch.get_num_threads()
+        try:
+            async_ranks.main(*map(str, args))
+        finally:
+            torch.set_num_threads(threads)
+    else:
+        script = Path(__file__).with_name("async_ranks.py")
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent), os.environ.get("PYTHONPATH", "")])}
+        result = subprocess.run([*launcher, str(script), *map(str, args)], capture_output=True, text=True, env=env,
+                                timeout=600)
+        assert result.returncode == 0, result.stderr[-4000:]
     lines = (Path(args[0]) / "metrics.jsonl").read_text().splitlines()
     timings = ("time", "time/", "tokens_per_second", "async/engine_idle", "async/learner_idle")
     return [{k: v for k, v in json.loads(line).items() if not k.startswith(timings)} for line in lines]

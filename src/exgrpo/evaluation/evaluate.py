@@ -61,43 +61,53 @@ def run_eval(models: Sequence[str], data: Sequence[BenchmarkData], protocol: Eva
 def _evaluate_model(label: str, out_dir: Path, data: Sequence[BenchmarkData], protocol: EvalProtocol,
                     pool: GradingPool, samples: int | None, seed: int, batch_size: int, dtype: str,
                     console: Console, engine_name: str) -> dict:
+    """Every benchmark of `data` on model `label`; the engine is released whatever a benchmark raises."""
     out_dir.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_policy(label, dtype=dtype)
     model.to("cuda" if torch.cuda.is_available() else "cpu")
     engine = build_eval_engine(engine_name, model, tokenizer, data, protocol, batch_size, dtype)
-    results = {}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[acc]}"),
                TimeElapsedColumn(), TimeRemainingColumn())
-    with (out_dir / "generations.jsonl").open("w") as jsonl, Progress(*columns, console=console) as progress:
-        for bench in data:
-            b = bench.benchmark
-            k = samples or b.paper_samples
-            task = progress.add_task(f"{label} {b.name}", total=len(bench.items) * k, acc="")
-            graded = [0, 0.0]  # samples so far, their grade sum
-
-            def on_batch(records: list[Sample]) -> None:
-                jsonl.writelines(json.dumps(dataclasses.asdict(r)) + "\n" for r in records)
-                jsonl.flush()  # a long run that dies keeps what it generated
-                graded[0] += len(records)
-                graded[1] += sum(r.grade for r in records)
-                progress.update(task, advance=len(records), acc=f"acc {100 * graded[1] / graded[0]:.1f}%")
-
-            start = time.perf_counter()
-            # Seeded by the benchmark's registry position: its samples do not depend on which others run.
-            result = evaluate_questions(engine, tokenizer, bench.questions, name=b.name, kind=b.kind, samples=k,
-                                        protocol=protocol, pool=pool, batch_size=batch_size, on_batch=on_batch,
-                                        seed=derive_seed(seed, list(BENCHMARKS).index(b.name)))
-            results[b.name] = {"questions": len(bench.items), "rows": bench.rows, "samples": k,
-                               "metrics": result.metrics(), "grading": pool.pop_stats(),
-                               "wall_s": round(time.perf_counter() - start, 1)}
-            _warn_failed_gradings(console, label, b.name, results[b.name]["grading"])
+    try:
+        with (out_dir / "generations.jsonl").open("w") as jsonl, Progress(*columns, console=console) as progress:
+            results = {}
+            for bench in data:
+                results[bench.benchmark.name] = _evaluate_benchmark(
+                    bench, engine, tokenizer, protocol, pool, samples or bench.benchmark.paper_samples, seed,
+                    batch_size, jsonl, progress, f"{label} {bench.benchmark.name}")
+                _warn_failed_gradings(console, label, bench.benchmark.name, results[bench.benchmark.name]["grading"])
+    finally:
+        engine.close()
+        del model, engine  # free the weights before the next model loads
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     summary = {"model": label, "benchmarks": results, **group_averages(results)}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    engine.close()
-    del model, engine  # free the weights before the next model loads
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     return summary
+
+
+def _evaluate_benchmark(bench: BenchmarkData, engine, tokenizer, protocol: EvalProtocol, pool: GradingPool,
+                        samples: int, seed: int, batch_size: int, jsonl, progress: Progress,
+                        description: str) -> dict:
+    """One benchmark, `samples` per question: its summary entry; each graded batch goes to `jsonl` as it comes."""
+    task = progress.add_task(description, total=len(bench.items) * samples, acc="")
+    graded = [0, 0.0]  # samples so far, their grade sum
+
+    def on_batch(records: list[Sample]) -> None:
+        jsonl.writelines(json.dumps(dataclasses.asdict(r)) + "\n" for r in records)
+        jsonl.flush()  # a long run that dies keeps what it generated
+        graded[0] += len(records)
+        graded[1] += sum(r.grade for r in records)
+        progress.update(task, advance=len(records), acc=f"acc {100 * graded[1] / graded[0]:.1f}%")
+
+    b = bench.benchmark
+    start = time.perf_counter()
+    # Seeded by the benchmark's registry position: its samples do not depend on which others run.
+    result = evaluate_questions(engine, tokenizer, bench.questions, name=b.name, kind=b.kind, samples=samples,
+                                protocol=protocol, pool=pool, batch_size=batch_size, on_batch=on_batch,
+                                seed=derive_seed(seed, list(BENCHMARKS).index(b.name)))
+    return {"questions": len(bench.items), "rows": bench.rows, "samples": samples, "metrics": result.metrics(),
+            "grading": pool.pop_stats(), "wall_s": round(time.perf_counter() - start, 1)}
 
 
 def _warn_failed_gradings(console: Console, label: str, benchmark: str, grading: dict[str, int]) -> None:
