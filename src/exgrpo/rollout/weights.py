@@ -51,11 +51,11 @@ def _merged(module) -> torch.Tensor:
     summed in fp32 whatever the caller's autocast (the push runs in another thread) and rounded once to the base
     weight's precision (bf16 where the learner stores a frozen base so: `store_frozen_linear_weights`)."""
     weight = module.base_layer.weight
-    delta = torch.zeros_like(weight, dtype=torch.float32)
     with torch.autocast(weight.device.type, enabled=False):
+        merged = weight.to(torch.float32, copy=True)
         for adapter in module.active_adapters:
-            delta = delta + module.get_delta_weight(adapter).float()
-    return (weight.float() + delta).to(weight.dtype).detach()
+            merged += module.get_delta_weight(adapter)
+    return merged.to(weight.dtype).detach()
 
 
 def fused_slots(vllm_model) -> dict[str, tuple[str, int, int]]:
