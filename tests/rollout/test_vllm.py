@@ -33,6 +33,10 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "HF_HUB_OFFLINE": "1"}
 QUESTIONS = [Question(f"q{i}", ({"role": "user", "content": f"What is {i} + {2 * i}? Answer with a number."},),
                       str(3 * i), {}) for i in range(1, 4)]
 SAMPLING = SamplingSettings(16, temperature=0.8)
+#: `make test` runs this file on two xdist workers (`--dist loadgroup`). Its long tests form two halves of about 150 s
+#: each, one per worker; each half holds the readers of one shared run (`full_run`, `async_run`), which its worker
+#: trains while the other worker runs its own half instead of waiting for it.
+FIRST_HALF, SECOND_HALF = pytest.mark.xdist_group("first_half"), pytest.mark.xdist_group("second_half")
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +72,7 @@ def _perturb(model, scale=0.02):
                 p.add_(torch.randn(p.shape, generator=g) * scale)
 
 
+@SECOND_HALF
 def test_full_weights_parity_before_and_after_a_sync(smollm2):
     model, tok = smollm2
     prompts, seeds = _requests(tok)
@@ -99,6 +104,7 @@ def test_full_weights_parity_before_and_after_a_sync(smollm2):
         engine.close()
 
 
+@SECOND_HALF
 def test_lora_is_pushed_merged_and_the_trainer_base_is_never_modified():
     model, tok = load_policy("smollm2-135m-instruct", lora=LoraConfig(r=8, alpha=16))
     with torch.no_grad():
@@ -160,10 +166,6 @@ def _shared_run(tmp_path_factory, name: str, *extra):
     return run_dir, _metrics(run_dir)
 
 
-#: the tests of a shared run go to one xdist worker (`--dist loadgroup`), which trains it while the other worker runs
-#: other tests, instead of waiting for it
-READS_FULL_RUN, READS_ASYNC_RUN = pytest.mark.xdist_group("full_run"), pytest.mark.xdist_group("async_run")
-
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
@@ -182,7 +184,7 @@ def _same_run(got, want, loss_rel=1e-4, loss_abs=1e-7):
         assert a["loss"] == pytest.approx(b["loss"], rel=loss_rel, abs=loss_abs)
 
 
-@READS_FULL_RUN
+@FIRST_HALF
 @pytest.mark.slow
 def test_exgrpo_with_the_vllm_engine_switches_replays_and_resumes_exactly(tmp_path, full_run):
     run_dir, full = full_run
@@ -205,7 +207,7 @@ def test_exgrpo_with_the_vllm_engine_switches_replays_and_resumes_exactly(tmp_pa
     _assert_nothing_left_of(process.pid, shared)
 
 
-@READS_FULL_RUN
+@FIRST_HALF
 @pytest.mark.slow
 @pytest.mark.heavy
 def test_two_fsdp_ranks_with_one_engine_each_match_one_process(tmp_path, full_run):
@@ -220,7 +222,7 @@ def test_two_fsdp_ranks_with_one_engine_each_match_one_process(tmp_path, full_ru
         assert f"rank {rank}: vLLM engine on cpu (engine rank {rank}, local rank {rank})" in result.stderr
 
 
-@READS_FULL_RUN
+@FIRST_HALF
 @pytest.mark.slow
 def test_an_exported_checkpoint_loads_in_vllm_with_its_chat_template(tmp_path, full_run, monkeypatch):
     """`exgrpo export RUN OUT --merge` of the LoRA run: vLLM loads OUT by itself, and its greedy tokens are
@@ -261,7 +263,7 @@ def _assert_nothing_left_of(pid: int, shared: set[str]) -> None:
     assert not left and not [f for f in shared if Path(f).exists()], (left, shared)
 
 
-@READS_ASYNC_RUN
+@SECOND_HALF
 @pytest.mark.slow
 @pytest.mark.heavy
 def test_an_async_run_resumes_exactly_after_a_sigkill_and_leaves_nothing(tmp_path, async_run):
@@ -281,7 +283,7 @@ def test_an_async_run_resumes_exactly_after_a_sigkill_and_leaves_nothing(tmp_pat
     _assert_nothing_left_of(process.pid, shared)
 
 
-@READS_ASYNC_RUN
+@SECOND_HALF
 @pytest.mark.slow
 def test_an_async_run_is_one_step_off_policy_and_exgrpo_buffer_shows_what_it_stored(async_run):
     run_dir, whole = async_run
@@ -299,7 +301,7 @@ def test_an_async_run_is_one_step_off_policy_and_exgrpo_buffer_shows_what_it_sto
             assert 0 <= t["policy_version"] <= 3 and t["age"] >= 1 and t["text"]
 
 
-@READS_FULL_RUN
+@FIRST_HALF
 @pytest.mark.slow
 def test_async_with_staleness_zero_is_the_sync_run_until_a_killed_engine_stops_it_clearly(tmp_path, full_run):
     """The engine in its own process, weights through vLLM's weight-transfer interface, s = 0: sync's run, step for
@@ -334,6 +336,7 @@ def _fast_bf16() -> bool:
     return torch.cuda.is_available() or "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+@FIRST_HALF
 @pytest.mark.slow
 @pytest.mark.skipif(not _fast_bf16(), reason="this CPU has no bf16 matrix instructions (avx512_bf16, amx_bf16): "
                                              "bf16 runs ~100x slower than fp32 on it")
