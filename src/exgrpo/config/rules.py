@@ -105,7 +105,7 @@ def _model_and_data_rules(cfg):
 
 
 def _rollout_rules(cfg, given: set[str]):
-    """rollout.* (and the engine's interplay with objective and experience)"""
+    """rollout.* (and its interplay with objective and experience)"""
     ro, o, e = cfg.rollout, cfg.objective, cfg.experience
     K = cfg.rollout.num_generations
     yield _at_least("rollout.num_generations", K, 2)
@@ -125,6 +125,18 @@ def _rollout_rules(cfg, given: set[str]):
     yield _at_least("rollout.parity_every", ro.parity_every, 0)
     yield ro.parity_threshold is None or ro.parity_threshold > 0, \
         f"rollout.parity_threshold must be null or > 0 (got {ro.parity_threshold})"
+    yield from _engine_rules(cfg, given)
+    yield _at_least("rollout.max_generation_rounds", ro.max_generation_rounds, 1)
+    yield ro.zero_variance != "keep" or not _set_any(given, "rollout.max_generation_rounds"), \
+        "rollout.max_generation_rounds applies to rollout.zero_variance backfill or replace_from_buffer only"
+    yield ro.zero_variance != "replace_from_buffer" or e.ratio > 0, \
+        "rollout.zero_variance replace_from_buffer needs a buffer: experience.ratio must be > 0"
+    yield from _async_rules(ro, o, given)
+
+
+def _engine_rules(cfg, given: set[str]):
+    """the engine's interplay with the sampling settings and the objective"""
+    ro, o = cfg.rollout, cfg.objective
     yield ro.engine == "hf" or (ro.top_p == 1 and ro.top_k == 0), \
         (f"rollout.engine {ro.engine} reports log-probs renormalised over the top-p/top-k set, which the trainer "
          "does not use: it needs rollout.top_p 1 and rollout.top_k 0")
@@ -137,12 +149,6 @@ def _rollout_rules(cfg, given: set[str]):
          f"{compute_precision(cfg)}: its log-probs differ, so objective.engine_correction must not be none (use tis "
          "or auto)")
     yield o.tis_cap >= 1, f"objective.tis_cap must be >= 1 (got {o.tis_cap})"
-    yield _at_least("rollout.max_generation_rounds", ro.max_generation_rounds, 1)
-    yield ro.zero_variance != "keep" or not _set_any(given, "rollout.max_generation_rounds"), \
-        "rollout.max_generation_rounds applies to rollout.zero_variance backfill or replace_from_buffer only"
-    yield ro.zero_variance != "replace_from_buffer" or e.ratio > 0, \
-        "rollout.zero_variance replace_from_buffer needs a buffer: experience.ratio must be > 0"
-    yield from _async_rules(ro, o, given)
 
 
 def _async_rules(ro, o, given: set[str]):
