@@ -48,7 +48,7 @@ def main(study_file: str, *arms: str) -> None:
     for name in arms or [a.name for a in study.arms]:
         arm = study.arm(name)
         for seed in arm.seeds:
-            logged = read_run(study, arm, seed)
+            logged = read_run(study, arm, seed, study.config(arm, seed))
             run = pilot_run(logged, study.baseline)
             result = {"evaluations": {s: round(100 * a, 1) for s, a in run.evaluations.items()}}
             for criterion in study.registered.criteria:

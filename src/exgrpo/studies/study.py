@@ -381,11 +381,11 @@ class RunResult:
         return float(np.interp(points, sampled, accuracy).mean())
 
 
-def read_run(study: Study, arm: Arm, seed: int) -> RunResult:
-    """What one run of the study logged, as far as it got, and its before-training evaluation."""
+def read_run(study: Study, arm: Arm, seed: int, config: ExGRPOConfig) -> RunResult:
+    """What one run of the study (its `config`: `study.config(arm, seed)`) logged, as far as it got, and its
+    before-training evaluation."""
     from exgrpo.runtime.tracking import read_metrics
 
-    config = study.config(arm, seed)
     run_dir = study.run_dir(arm, seed)
     history = read_metrics(run_dir / "metrics.jsonl")
     samples = read_metrics(run_dir / "samples.jsonl") if (run_dir / "samples.jsonl").exists() else []
@@ -402,7 +402,7 @@ def load_results(study: Study, arms: list[str] | None = None) -> list[RunResult]
                     not study.initial_eval_path(config).exists():
                 missing.append(f"{arm.name}/seed-{seed}")
                 continue
-            results.append(read_run(study, arm, seed))
+            results.append(read_run(study, arm, seed, config))
     if missing:
         raise ConfigError(f"{study.path}: runs not complete yet: {', '.join(missing)} "
                           f"(run `exgrpo experiment run {study.path}`)")
