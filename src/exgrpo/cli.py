@@ -139,6 +139,11 @@ def _experiment(args) -> int:
     if args.action == "status":
         print("\n".join(study_status(study, arms=args.arms, seeds=args.seeds)))
         return 0
+    return _experiment_report(study, args)
+
+
+def _experiment_report(study, args) -> int:
+    """`exgrpo experiment report`: the baseline and the --main arms always among the reported ones."""
     from exgrpo.studies.report import write_study_report
 
     # baseline first, as --main says: left out, it was taken for an ablation and compared twice with the last arm
