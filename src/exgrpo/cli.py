@@ -162,7 +162,7 @@ def _experiment_report(study, args) -> int:
         output.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ExgrpoError(f"--output {output}: cannot write there ({e.strerror or e})") from None
-    print(write_study_report(study, output, main_arms, args.arms))
+    print(write_study_report(study, output, main_arms, args.arms, args.seeds))
     return 0
 
 
@@ -279,7 +279,7 @@ def _add_experiment_parser(sub) -> None:
     p.add_argument("study", help="study YAML (see exgrpo.studies.study)")
     p.add_argument("--arms", nargs="+", metavar="ARM",
                    help="only these arms (report: the baseline and --main among them)")
-    p.add_argument("--seeds", nargs="+", type=int, metavar="SEED", help="run, status: only these seeds")
+    p.add_argument("--seeds", nargs="+", type=int, metavar="SEED", help="only these seeds (report: an interim report, which says so)")
     p.add_argument("--overwrite", action="store_true",
                    help="run: start the selected runs over, deleting what they hold (complete runs too)")
     p.add_argument("--output", default="docs/results", help="report: output directory (default: docs/results)")

@@ -83,6 +83,13 @@ def test_study_runs_every_arm_and_seed_once_and_reports(tmp_path):
     assert (tmp_path / "some" / "report.md").read_text().count("| ExGRPO − GRPO |") == 1
     refused = report("exgrpo", "uniform")
     assert refused.returncode == 2 and "leaves out grpo" in refused.stderr
+    assert report("grpo", "exgrpo", "--seeds", "2").returncode == 0  # an interim report says it is one
+    interim = (tmp_path / "some" / "report.md").read_text()
+    assert "**Interim report: seeds 2 only (`--seeds`), 1 of the study's 2.**" in interim and "| GRPO | 2 |" in interim
+    refused = report("grpo", "exgrpo", "--seeds", "3")
+    assert refused.returncode == 2 and "--seeds 3: no selected arm of" in refused.stderr
+    refused = report("grpo", "exgrpo", "uniform", "--seeds", "2")
+    assert refused.returncode == 2 and "--seeds 2: arm uniform has none of those seeds" in refused.stderr
 
     assert '"helps" when the mean is ≥ +3.0 and the 95% interval is above 0' in text  # the default rule, said
     spec = json.loads((tmp_path / "study.yaml").read_text())
@@ -337,6 +344,26 @@ def test_the_paired_table_adds_a_row_without_the_seeds_where_the_replaying_arm_n
     assert rows[2].startswith("| EXGRPO − GRPO | 1, 2, 3, 4 | +2.2 [")
     assert rows[3].startswith("| EXGRPO − GRPO, seeds where it replayed | 1, 2, 3 | +3.0 [")
     assert len(paired_table({**arms, "exgrpo": arms["exgrpo"][:3]}, [("exgrpo", "grpo")], Registration())) == 3
+
+
+def test_the_power_is_stated_at_each_comparisons_number_of_paired_seeds():
+    """Round six's third arm stops at 16 of 24 seeds (its registered budget rule): the comparisons with it are
+    powered at 16 pairs, the others at 24."""
+    from exgrpo.studies.report import _power_statements
+    from exgrpo.studies.statistics import power_statement
+
+    def runs(name, seeds):
+        return [RunResult(Arm(name, name.upper(), (), tuple(seeds)), s, config_from_dict({}), [], {}) for s in seeds]
+
+    rules = Registration(power_sd=0.027, power_effects=(0.02,))
+    arms = {"grpo": runs("grpo", range(1, 25)), "exgrpo": runs("exgrpo", range(1, 25)),
+            "skip": runs("skip", range(1, 17))}
+    lines = _power_statements(arms, [("exgrpo", "grpo"), ("skip", "grpo"), ("exgrpo", "skip")], rules)
+    assert lines == [f"EXGRPO − GRPO: {power_statement(rules, 24)}", "",
+                     f"SKIP − GRPO; EXGRPO − SKIP: {power_statement(rules, 16)}", ""]
+    assert "With 16 paired seeds" in lines[2]
+    assert _power_statements({k: arms[k] for k in ("grpo", "exgrpo")}, [("exgrpo", "grpo")], rules) == \
+        [power_statement(rules, 24), ""]
 
 
 def test_the_registered_power_statement_reproduces_round_three():

@@ -14,7 +14,7 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from exgrpo.config import DataConfig  # noqa: E402
+from exgrpo.config import ConfigError, DataConfig  # noqa: E402
 from exgrpo.errors import ExgrpoWarning  # noqa: E402
 from exgrpo.runtime.provenance import code_label, read_sessions  # noqa: E402
 from exgrpo.studies.criteria import medium_questions  # noqa: E402
@@ -549,14 +549,41 @@ def _helps_text(reg: Registration) -> str:
     return f"\"helps\" when the mean is ≥ {100 * reg.effect:+.1f} and the 95% interval is above 0"
 
 
-def write_study_report(study: Study, out: str | Path, main_arms: list[str], only: list[str] | None = None) -> Path:
-    """Plots and tables for all arms (or the arms in `only`, the baseline and `main_arms` among them); `main_arms` (e.g.
-    GRPO and ExGRPO) get the curves and the buffer plot is drawn for the last of them. Returns the markdown file
-    (report.md in `out`)."""
+def _power_statements(arms: dict[str, list[RunResult]], comparisons: list[tuple[str, str]],
+                      registered: Registration) -> list[str]:
+    """The registered power at each comparison's number of paired seeds (arms may have run different seeds)."""
+    by_seeds: dict[int, list[str]] = defaultdict(list)
+    for name, reference in comparisons:
+        shared = {r.seed for r in arms[name]} & {r.seed for r in arms[reference]}
+        by_seeds[len(shared)].append(f"{arms[name][0].arm.label} − {arms[reference][0].arm.label}")
+    counts = sorted((n for n in by_seeds if n >= 2), reverse=True)
+    if len(counts) == 1:
+        return [power_statement(registered, counts[0]), ""]
+    return [line for n in counts for line in (f"{'; '.join(by_seeds[n])}: {power_statement(registered, n)}", "")]
+
+
+def _interim_line(study: Study, seeds: list[int] | None) -> list[str]:
+    """Says that a report made with --seeds covers part of the study, and how much."""
+    every = sorted({s for arm in study.arms for s in arm.seeds})
+    if not seeds or set(every) <= set(seeds):
+        return []
+    return [f"**Interim report: seeds {', '.join(map(str, sorted(set(seeds))))} only (`--seeds`), "
+            f"{len(set(seeds))} of the study's {len(every)}.**", ""]
+
+
+def write_study_report(study: Study, out: str | Path, main_arms: list[str], only: list[str] | None = None,
+                       seeds: list[int] | None = None) -> Path:
+    """Plots and tables for all arms (or the arms in `only`, the baseline and `main_arms` among them) over all their
+    seeds (or those in `seeds`, an interim report); `main_arms` (e.g. GRPO and ExGRPO) get the curves and the buffer
+    plot is drawn for the last of them. Returns the markdown file (report.md in `out`)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     names = [a.name for a in study.arms if not only or a.name in only]
-    arms = _by_arm(load_results(study, names))
+    arms = _by_arm(load_results(study, names, seeds))
+    for name in names:
+        if name not in arms:  # an interim report's seeds that an arm did not run
+            raise ConfigError(f"--seeds {' '.join(map(str, seeds or []))}: arm {name} has none of those seeds "
+                              f"(leave it out with --arms)")
     ablations = [n for n in names if n not in main_arms]
     plots = _plots(arms, names, main_arms, ablations, out)
     samples_link = _write_samples_page(arms, names, out)
@@ -570,11 +597,11 @@ def write_study_report(study: Study, out: str | Path, main_arms: list[str], only
     comparisons = [(n, study.baseline) for n in names if n != study.baseline] + \
         [(main_arms[-1], n) for n in ablations if main_arms[-1] != study.baseline]  # what each ablation removes
     lines = [
-        f"# Study `{study.path.name}`", "", _setting(study, arms), "",
+        f"# Study `{study.path.name}`", "", _setting(study, arms), "", *_interim_line(study, seeds),
         *([f"**WARNING: {warning}** (see Runs, below).", ""] if warning else []),
         "## Final held-out accuracy", "", *final_table(arms, names, references), "",
         "## Paired differences (accuracy points)", "", _verdict_rules(reg), "",
-        *([power_statement(reg, len(arms[study.baseline])), ""] if reg.power_sd else []),
+        *(_power_statements(arms, comparisons, reg) if reg.power_sd else []),
         *paired_table(arms, comparisons, reg), "",
         "## Buffer and replay (end of training, mean over seeds)", "", *buffer_table(arms, names), "",
         "## Coverage, zero-variance groups, entropy (mean over seeds)", "", *analyses_table(arms, names), "",

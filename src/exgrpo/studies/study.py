@@ -392,17 +392,16 @@ def read_run(study: Study, arm: Arm, seed: int, config: ExGRPOConfig) -> RunResu
     return RunResult(arm, seed, config, history, json.loads(study.initial_eval_path(config).read_text()), samples)
 
 
-def load_results(study: Study, arms: list[str] | None = None) -> list[RunResult]:
-    """Every run of the study (or of the named arms); incomplete or missing runs are named in the error."""
+def load_results(study: Study, arms: list[str] | None = None, seeds: list[int] | None = None) -> list[RunResult]:
+    """Every run of the study (or of the named arms and seeds); incomplete or missing runs are named in the error."""
     results, missing = [], []
-    for arm in [study.arm(a) for a in arms] if arms else study.arms:
-        for seed in arm.seeds:
-            config = study.config(arm, seed)
-            if not run_complete(study.run_dir(arm, seed), config.train.steps) or \
-                    not study.initial_eval_path(config).exists():
-                missing.append(f"{arm.name}/seed-{seed}")
-                continue
-            results.append(read_run(study, arm, seed, config))
+    for arm, seed in _selected_runs(study, arms, seeds):
+        config = study.config(arm, seed)
+        if not run_complete(study.run_dir(arm, seed), config.train.steps) or \
+                not study.initial_eval_path(config).exists():
+            missing.append(f"{arm.name}/seed-{seed}")
+            continue
+        results.append(read_run(study, arm, seed, config))
     if missing:
         raise ConfigError(f"{study.path}: runs not complete yet: {', '.join(missing)} "
                           f"(run `exgrpo experiment run {study.path}`)")
