@@ -35,6 +35,15 @@ def _step(step, **values):
             **values}
 
 
+def test_the_whole_run_bench_runs_round_fives_grpo_run_as_its_study_file_says(tmp_path):
+    spec = importlib.util.spec_from_file_location("whole_run", ROOT / "bench" / "whole_run.py")
+    whole_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(whole_run)
+    config = load_config("demo", whole_run.study_overrides() + [f"logging.output_dir={tmp_path}"])
+    assert (config.train.steps, config.eval.every, config.data.holdout, config.train.seed) == (60, 10, 160, 1)
+    assert config.experience.ratio == 0 and "seed=56" in config.data.train
+
+
 def test_metrics_diff_ignores_wall_times_only():
     base = [_step(1), _step(2)]
     timed_again = [{**m, "time/step": 9.9, "time": 0.0, "tokens_per_second": 1.0, "async/engine_idle": 5.0,
