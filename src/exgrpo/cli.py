@@ -279,7 +279,8 @@ def _add_experiment_parser(sub) -> None:
     p.add_argument("study", help="study YAML (see exgrpo.studies.study)")
     p.add_argument("--arms", nargs="+", metavar="ARM",
                    help="only these arms (report: the baseline and --main among them)")
-    p.add_argument("--seeds", nargs="+", type=int, metavar="SEED", help="only these seeds (report: an interim report, which says so)")
+    p.add_argument("--seeds", nargs="+", type=int, metavar="SEED",
+                   help="only these seeds (report: an interim report, which says so)")
     p.add_argument("--overwrite", action="store_true",
                    help="run: start the selected runs over, deleting what they hold (complete runs too)")
     p.add_argument("--output", default="docs/results", help="report: output directory (default: docs/results)")
