@@ -571,6 +571,16 @@ def _interim_line(study: Study, seeds: list[int] | None) -> list[str]:
             f"{len(set(seeds))} of the study's {len(every)}.**", ""]
 
 
+def _reported_runs(study: Study, names: list[str], seeds: list[int] | None) -> dict[str, list[RunResult]]:
+    """The runs of each reported arm (of `seeds` only, for an interim report: each arm must have one of them)."""
+    arms = _by_arm(load_results(study, names, seeds))
+    for name in names:
+        if name not in arms:
+            raise ConfigError(f"--seeds {' '.join(map(str, seeds or []))}: arm {name} has none of those seeds "
+                              f"(leave it out with --arms)")
+    return arms
+
+
 def write_study_report(study: Study, out: str | Path, main_arms: list[str], only: list[str] | None = None,
                        seeds: list[int] | None = None) -> Path:
     """Plots and tables for all arms (or the arms in `only`, the baseline and `main_arms` among them) over all their
@@ -579,11 +589,7 @@ def write_study_report(study: Study, out: str | Path, main_arms: list[str], only
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     names = [a.name for a in study.arms if not only or a.name in only]
-    arms = _by_arm(load_results(study, names, seeds))
-    for name in names:
-        if name not in arms:  # an interim report's seeds that an arm did not run
-            raise ConfigError(f"--seeds {' '.join(map(str, seeds or []))}: arm {name} has none of those seeds "
-                              f"(leave it out with --arms)")
+    arms = _reported_runs(study, names, seeds)
     ablations = [n for n in names if n not in main_arms]
     plots = _plots(arms, names, main_arms, ablations, out)
     samples_link = _write_samples_page(arms, names, out)
