@@ -1,10 +1,10 @@
 """A whole run of round five's study setting, an old commit's code against the working tree's, one whole process
 after the other: GRPO (round five's `grpo` arm), seed 1, 60 steps with its seven held-out evaluations (160 questions
-x 4 samples) and its checkpoints, exactly as `exgrpo experiment run experiments/round-five.yaml` ran it. Prints one
-JSON line per code (wall time of the process, the steps' sum and median, the rest: start, evaluations, checkpoints)
-and their ratios; appends them to bench/results/whole_run.jsonl.
+x 4 samples, step 0's included) and its checkpoints, with the overrides of experiments/round-five.yaml, as
+`exgrpo train`. Prints one JSON line per code (wall time of the process, the steps' sum and median, the rest:
+start, evaluations, checkpoints) and their ratios; appends them to bench/results/whole_run.jsonl.
 
-    .venv-vllm/bin/python bench/whole_run.py --base 814198f      # ~55 min on 2 cores, nothing else running
+    .venv-vllm/bin/python bench/whole_run.py --base 814198f      # ~45 min on 2 cores, nothing else running
 """
 
 from __future__ import annotations
