@@ -3,6 +3,7 @@ setting; with `--base COMMIT`, that commit's code against the working tree's, on
 
     .venv-vllm/bin/python bench/bound.py                          # both settings, the working tree
     .venv-vllm/bin/python bench/bound.py --base 814198f --steps 6 # an old commit first, then the working tree
+    .venv-vllm/bin/python bench/bound.py --base HEAD --settings study --overrides train.compile=true
 
 The settings (vLLM engine in process, bf16 engine and trainer, GRPO so that every step does the same work):
 * demo: configs/demo.yaml, 6 questions x 8 rollouts of up to 24 tokens, LoRA r 32;
@@ -118,12 +119,13 @@ def prompt_tokens(setting: str) -> int:
     return round(statistics.mean(len(encode(q)) for q in questions))
 
 
-def run(source: Path, setting: str, steps: int) -> list[dict]:
-    """`exgrpo train` of the setting with the code in `source`/src, as a whole process; its metrics lines."""
+def run(source: Path, setting: str, steps: int, extra: list[str]) -> list[dict]:
+    """`exgrpo train` of the setting (plus `extra` overrides) with the code in `source`/src, as a whole process; its
+    metrics lines."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"exgrpo-bound-{setting}-"))
     try:
         env = {**os.environ, "PYTHONPATH": str(source / "src")}
-        subprocess.run([sys.executable, "-m", "exgrpo", "train", "--config", "demo", *SETTINGS[setting],
+        subprocess.run([sys.executable, "-m", "exgrpo", "train", "--config", "demo", *SETTINGS[setting], *extra,
                         f"train.steps={steps}", f"logging.output_dir={run_dir}", "--overwrite"],
                        cwd=source, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -131,8 +133,9 @@ def run(source: Path, setting: str, steps: int) -> list[dict]:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def measure(label: str, source: Path, setting: str, steps: int, shapes, rate_1024: float, cache: dict) -> dict:
-    lines = run(source, setting, steps)[1:]
+def measure(label: str, source: Path, setting: str, steps: int, shapes, rate_1024: float, cache: dict,
+            extra: list[str]) -> dict:
+    lines = run(source, setting, steps, extra)[1:]
     records = []
     for m in lines:
         records.append({"bench": "bound_step", "code": label, "setting": setting, "step": m["step"],
@@ -166,6 +169,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="steps per run (the first is not counted)")
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--base", help="a commit to measure first, from a temporary worktree")
+    parser.add_argument("--overrides", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="config overrides for the working tree's runs only (e.g. train.compile=true)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     rate_1024 = 2 * 1024**3 / seconds_per_matmul(1024, 1024, 1024, repeats=20)
@@ -173,16 +178,16 @@ def main() -> None:
     shapes, cache = linear_shapes(), {}
     for setting in args.settings:
         PROMPT_TOKENS[setting] = prompt_tokens(setting)
-    sources = [("working tree", ROOT)]
+    sources = [(" ".join(["working tree", *args.overrides]), ROOT, args.overrides)]
     base_dir = None
     if args.base:
         base_dir = Path(tempfile.mkdtemp(prefix="exgrpo-bound-base-"))
         subprocess.run(["git", "worktree", "add", "--detach", str(base_dir), args.base], cwd=ROOT, check=True,
                        capture_output=True)
-        sources.insert(0, (args.base, base_dir))
+        sources.insert(0, (args.base, base_dir, []))
     try:
-        tables = [table(label, setting, measure(label, source, setting, args.steps, shapes, rate_1024, cache))
-                  for setting in args.settings for label, source in sources]
+        tables = [table(label, setting, measure(label, source, setting, args.steps, shapes, rate_1024, cache, extra))
+                  for setting in args.settings for label, source, extra in sources]
     finally:
         if base_dir is not None:
             subprocess.run(["git", "worktree", "remove", "--force", str(base_dir)], cwd=ROOT, check=True)

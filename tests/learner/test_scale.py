@@ -18,6 +18,7 @@ from exgrpo.rollout import HFEngine, SamplingSettings
 from exgrpo.runtime.timing import StageTimer
 from exgrpo.training.trainer import ExGRPOTrainer
 from exgrpo.learner.learner import Learner, plan_micro_batches
+from exgrpo.runtime.sharding import decoder_layers
 
 
 def _batch(tokenizer, questions, completions):
@@ -49,6 +50,27 @@ def test_every_layout_and_head_chunking_gives_the_padded_rows_values_and_gradien
         for a, b in zip(reference[:2] + reference[2], (lambda r: r[:2] + r[2])(values(sharing, chunk))):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=lambda m: f"{sharing} {chunk}: {m}")
     assert (reference[0] * (1 - batch.completion_mask[rows])).abs().sum() == 0  # padding holds zeros
+
+
+@pytest.mark.slow
+def test_train_compile_compiles_every_decoder_layer_and_keeps_the_eager_values_and_gradients(tiny_policy, questions):
+    model, tok = tiny_policy
+    batch = _batch(tok, questions(12)[::6], [[5, 6, 7], [8], [9, 10, 11, 12, 13], [], [14, 15], [16] * 9])
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def values():
+        logp, entropy = token_logprobs(model, batch, 0.7, with_entropy=True, prompt_sharing=PACKED)
+        return [logp, entropy, *torch.autograd.grad(logp.sum() + entropy.sum(), params)]
+
+    eager, names = values(), [name for name, _ in model.named_parameters()]
+    config = config_from_dict({"rollout": {"engine": "vllm"}, "train": {"compile": True}})
+    Learner(model, config.train, num_generations=4, temperature=1.0, dist=Distributed(),
+            losses={WARMUP: LossSettings()})
+    layers = decoder_layers(model)
+    assert len(layers) == 2 and all(layer._compiled_call_impl is not None for layer in layers)
+    assert [name for name, _ in model.named_parameters()] == names  # checkpoints keep their keys
+    for a, b in zip(eager, values()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
 def test_packed_layout_holds_each_prompt_once_then_its_rows_completions():

@@ -293,6 +293,11 @@ def _train_eval_and_logging_rules(cfg):
     yield 0 <= t.warmup_steps <= t.steps * t.mini_batches, \
         (f"train.warmup_steps must be in [0, train.steps x train.mini_batches = {t.steps * t.mini_batches}] "
          f"optimizer steps (got {t.warmup_steps})")
+    yield not t.compile or cfg.rollout.engine != "hf", \
+        ("train.compile needs rollout.engine vllm or servers: the hf engine generates through the compiled layers, "
+         "which recompiles them layer by layer")
+    yield not t.compile or not (t.activation_checkpointing or t.sharding == "fsdp"), \
+        "train.compile is not tested with train.activation_checkpointing or train.sharding fsdp: turn those off"
     yield _positive("train.max_grad_norm", t.max_grad_norm)
     yield _positive("train.skip_grad_norm", t.skip_grad_norm)
     yield _at_least("train.max_skipped_optimizer_steps", t.max_skipped_optimizer_steps, 0)

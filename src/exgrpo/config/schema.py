@@ -310,6 +310,10 @@ class TrainConfig:
     activation_checkpointing: bool = resumable(False)
     """Recompute each decoder layer's activations in backward (transformers' gradient checkpointing) instead of
     storing them."""
+    compile: bool = resumable(False)
+    """Compile every decoder layer with torch.compile (inductor, dynamic shapes) for the update's and scoring's
+    forward and backward: on a CPU 18-27% off the update after about 45 s of compiling (docs/benchmarks.md). With
+    rollout.engine vllm or servers only (generating through compiled layers recompiles them layer by layer)."""
     sharding: Literal["ddp", "fsdp"] = resumable("ddp")
     """Data parallelism: ddp replicates the model on every rank; fsdp shards parameters, gradients and optimizer
     state with FSDP2 (per decoder layer). One process: no effect."""

@@ -26,6 +26,7 @@ from exgrpo.runtime.distributed import Distributed
 from exgrpo.errors import TrainingError
 from exgrpo.learner.objective import LossSettings, MicroBatch, merge_stats, mixed_policy_loss
 from exgrpo.learner.forward import PACKED, candidate_scores, packs_rows, token_logprobs
+from exgrpo.runtime.sharding import decoder_layers
 from exgrpo.learner.parallel import parallelism
 from exgrpo.records import MIXED, WARMUP
 from exgrpo.tensors import PackedBatch, TrajectoryScore
@@ -170,6 +171,9 @@ class Learner:
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.parallel = parallelism(model, train, dist, loss_scale)
+        if train.compile:  # in place: a wrapper calls the compiled layers, and their weights keep their names
+            for layer in decoder_layers(model):
+                layer.compile(dynamic=True)
         self.train_model = self.parallel.train_model
         self._autocast = train.dtype == "bf16" and not self.parallel.casts_parameters
         if self._autocast:

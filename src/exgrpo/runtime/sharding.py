@@ -37,8 +37,7 @@ def fully_shard_model(model, ctx: Distributed, bf16: bool) -> None:
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
-    block_names = set(_no_split_modules(model))
-    blocks = [m for m in model.modules() if type(m).__name__ in block_names]
+    blocks = decoder_layers(model)
     if not blocks:
         raise ValueError(f"train.sharding fsdp: {type(model).__name__} names no decoder-layer class "
                          "(_no_split_modules) to shard by")
@@ -47,12 +46,10 @@ def fully_shard_model(model, ctx: Distributed, bf16: bool) -> None:
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
 
 
-def _no_split_modules(model) -> list[str]:
-    for m in model.modules():
-        names = getattr(m, "_no_split_modules", None)
-        if names:
-            return list(names)
-    return []
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The model's decoder layers: the modules of the classes its `_no_split_modules` names."""
+    names = next((set(m._no_split_modules) for m in model.modules() if getattr(m, "_no_split_modules", None)), set())
+    return [m for m in model.modules() if type(m).__name__ in names]
 
 
 def is_sharded(model) -> bool:
