@@ -312,8 +312,8 @@ class TrainConfig:
     storing them."""
     compile: bool = resumable(False)
     """Compile every decoder layer with torch.compile (inductor, dynamic shapes) for the update's and scoring's
-    forward and backward: on a CPU 18-27% off the update after about 45 s of compiling (docs/benchmarks.md). With
-    rollout.engine vllm or servers only (generating through compiled layers recompiles them layer by layer)."""
+    forward and backward: on 2 CPU cores 13-18% off the update after about 45 s of compiling (docs/benchmarks.md).
+    With rollout.engine vllm or servers only (generating through compiled layers recompiles them layer by layer)."""
     sharding: Literal["ddp", "fsdp"] = resumable("ddp")
     """Data parallelism: ddp replicates the model on every rank; fsdp shards parameters, gradients and optimizer
     state with FSDP2 (per decoder layer). One process: no effect."""
