@@ -293,11 +293,8 @@ def _train_eval_and_logging_rules(cfg):
     yield 0 <= t.warmup_steps <= t.steps * t.mini_batches, \
         (f"train.warmup_steps must be in [0, train.steps x train.mini_batches = {t.steps * t.mini_batches}] "
          f"optimizer steps (got {t.warmup_steps})")
-    yield not t.compile or cfg.rollout.engine != "hf", \
-        ("train.compile needs rollout.engine vllm or servers: the hf engine generates through the compiled layers, "
-         "which recompiles them layer by layer")
-    yield not t.compile or not (t.activation_checkpointing or t.sharding == "fsdp"), \
-        "train.compile is not tested with train.activation_checkpointing or train.sharding fsdp: turn those off"
+    if t.compile:
+        yield from _compile_rules(t, cfg.rollout.engine)
     yield _positive("train.max_grad_norm", t.max_grad_norm)
     yield _positive("train.skip_grad_norm", t.skip_grad_norm)
     yield _at_least("train.max_skipped_optimizer_steps", t.max_skipped_optimizer_steps, 0)
@@ -311,6 +308,14 @@ def _train_eval_and_logging_rules(cfg):
     yield _optional_at_least("eval.max_questions", ev.max_questions, 1)
     yield _text("logging.output_dir", lg.output_dir)
     yield _at_least("logging.sample_every", lg.sample_every, 0)
+
+
+def _compile_rules(t, engine: str):
+    """train.compile's: where compiled layers are tested"""
+    yield engine != "hf", ("train.compile needs rollout.engine vllm or servers: the hf engine generates through the "
+                           "compiled layers, which recompiles them layer by layer")
+    yield not (t.activation_checkpointing or t.sharding == "fsdp"), \
+        "train.compile is not tested with train.activation_checkpointing or train.sharding fsdp: turn those off"
 
 
 def engine_correction_cap(cfg) -> float | None:

@@ -133,6 +133,17 @@ COUNTERS = ("optimizer_steps", *SKIPPED_STEP_COUNTERS)
 """The learner's step counters, saved with its optimizer state."""
 
 
+def compile_decoder_layers(model) -> None:
+    """train.compile: each decoder layer compiled in place (dynamic shapes), so a wrapper calls the compiled layers
+    and their weights keep their names."""
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(f"train.compile: {type(model).__name__} names no decoder-layer class (_no_split_modules) "
+                         "to compile")
+    for layer in layers:
+        layer.compile(dynamic=True)
+
+
 class Learner:
     """Owns the (sharded or replicated) trainable model, its optimizer and scheduler; applies one step's update
     (`__call__`) and counts it in `weights_version`.
@@ -171,9 +182,8 @@ class Learner:
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.parallel = parallelism(model, train, dist, loss_scale)
-        if train.compile:  # in place: a wrapper calls the compiled layers, and their weights keep their names
-            for layer in decoder_layers(model):
-                layer.compile(dynamic=True)
+        if train.compile:
+            compile_decoder_layers(model)
         self.train_model = self.parallel.train_model
         self._autocast = train.dtype == "bf16" and not self.parallel.casts_parameters
         if self._autocast:
