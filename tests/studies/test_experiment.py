@@ -128,6 +128,7 @@ def test_interrupted_run_resumes_and_report_waits_for_it(tmp_path):
             import shutil
 
             shutil.rmtree(ckpt)
+    _record_a_crash(study.run_dir(arm, 1))
     assert completed_steps(study.run_dir(arm, 1)) == 2
     status = run_cli(["experiment", "status", str(path)])
     assert status.stdout.splitlines() == ["grpo seed 1: checkpointed at step 2 of 3, logged to step 3 (a resume runs "
@@ -196,6 +197,7 @@ def test_a_run_whose_checkpoints_are_gone_is_said_and_started_over_by_the_comman
     run_study(study, log=lambda m: None)
     run_dir = study.run_dir(study.arm("grpo"), 1)
     shutil.rmtree(run_dir / "checkpoints")
+    _record_a_crash(run_dir)  # a run that finished would be complete without its checkpoints (the next test)
     command = f"`exgrpo experiment run {path} --arms grpo --seeds 1 --overwrite`"
     assert study_status(study) == [f"grpo seed 1: logged to step 2 of 2, but no checkpoint is left: it cannot resume "
                                    f"(restore a checkpoint, or start it over with {command})", "0 of 1 runs complete"]
@@ -208,6 +210,34 @@ def test_a_run_whose_checkpoints_are_gone_is_said_and_started_over_by_the_comman
     status = run_cli(["experiment", "status", str(path), "--overwrite"])
     assert status.returncode == 2 and "--overwrite starts runs over: it goes with `exgrpo experiment run`" in \
         status.stderr
+
+
+def _record_a_crash(run_dir):
+    """The run's last session as a crash leaves it: never ended."""
+    sessions = json.loads((run_dir / "provenance.json").read_text())["sessions"]
+    sessions[-1].update(ended=None, to_step=None)
+    (run_dir / "provenance.json").write_text(json.dumps({"sessions": sessions}))
+
+
+def test_a_finished_run_whose_checkpoints_are_removed_stays_complete(tmp_path):
+    """Its records (metrics, provenance, samples) are what a report reads: a study can keep them and drop the
+    checkpoints, and is neither trained again nor refused."""
+    path = _study(tmp_path, arms={"grpo": {"overrides": ["experience.ratio=0"]}}, seeds=[1], overrides=[
+        "train.steps=2", "train.save_every=1", "eval.every=2", "logging.progress=false", "logging.sample_every=0"])
+    study = load_study(path)
+    run_study(study, log=lambda m: None)
+    run_dir = study.run_dir(study.arm("grpo"), 1)
+    shutil.rmtree(run_dir / "checkpoints")
+    assert study_status(study) == ["grpo seed 1: complete (2 steps; its checkpoints removed)", "1 of 1 runs complete"]
+    said = []
+    assert run_study(study, log=said.append) is None
+    assert said == ["grpo seed 1: complete (2 steps; its checkpoints removed), skipped"]
+    (result,) = load_results(study)
+    assert result.evaluations()[-1][0] == 2
+    longer = _study(tmp_path, arms={"grpo": {"overrides": ["experience.ratio=0"]}}, seeds=[1], overrides=[
+        "train.steps=3", "train.save_every=1", "eval.every=2", "logging.progress=false", "logging.sample_every=0"])
+    assert load_study(longer).config(study.arm("grpo"), 1).train.steps == 3
+    assert study_status(load_study(longer))[-1] == "0 of 1 runs complete"  # it ended at step 2, not 3
 
 
 def test_status_says_what_a_run_has_on_disk(tmp_path):
@@ -537,13 +567,15 @@ def test_runs_record_when_and_which_code_ran_them_and_the_report_flags_mixed_cod
     assert curves["provenance"] == {"grpo/seed-1": [session]} and len(curves["grpo/seed-1"]) == 3
 
     shutil.rmtree(run_dir / "checkpoints" / "step-000003")  # as if killed after step 2; then the code changes
+    _record_a_crash(run_dir)
     (checkout / "src" / "exgrpo" / "__init__.py").write_text(
         (checkout / "src" / "exgrpo" / "__init__.py").read_text() + "# a change\n")
     _git(checkout, "commit", "-qam", "two")
     second = _git(checkout, "rev-parse", "HEAD")
     _run_study_with(checkout, path)
     sessions = read_sessions(run_dir)
-    assert sessions[0] == session and [(s["from_step"], s["to_step"]) for s in sessions] == [(0, 3), (2, 3)]
+    assert sessions[0] == {**session, "ended": None, "to_step": None}
+    assert [(s["from_step"], s["to_step"]) for s in sessions] == [(0, None), (2, 3)]
     assert sessions[1]["code"]["git"]["commit"] == second
     held_out = [json.loads(line)["step"] for line in (run_dir / "eval_samples.jsonl").read_text().splitlines()]
     assert held_out == [2] * 4 + [3] * 4  # each evaluation's graded completions, step 3's logged once

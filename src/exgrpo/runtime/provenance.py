@@ -121,6 +121,15 @@ def end_session(run_dir: str | Path, step: int, stopped_by: str | None) -> None:
     _write_sessions(run_dir, sessions)
 
 
+def ended_step(run_dir: str | Path) -> int:
+    """The step at which the run's last recorded session ended by itself (no signal stopped it, nothing crashed it):
+    how far a run that finished got, known also after its checkpoints are removed; 0 when no session did."""
+    sessions = read_sessions(run_dir)
+    last = sessions[-1] if sessions else {}
+    finished = last.get("ended") is not None and last.get("stopped_by") is None
+    return int(last.get("to_step") or 0) if finished else 0
+
+
 def code_label(code: dict) -> str:
     """A session's code in a few words: version, short commit and whether the tree was dirty."""
     git = code["git"]

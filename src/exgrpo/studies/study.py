@@ -34,6 +34,7 @@ from typing import Callable
 import numpy as np
 
 from exgrpo.runtime.atomic import write_text_atomic
+from exgrpo.runtime.provenance import ended_step
 from exgrpo.runtime.rundir import checkpoints_gone, last_logged_step
 from exgrpo.config import ConfigError, ExGRPOConfig, config_file, load_config, read_yaml
 from exgrpo.studies.criteria import Criterion, criteria_from
@@ -225,15 +226,21 @@ def load_study(path: str | Path) -> Study:
 
 
 def run_complete(run_dir: Path, steps: int) -> bool:
-    """Trained to `steps`, or stopped earlier with every training question retired (nothing left to train on):
-    the last checkpoint's step logged no fresh question remaining."""
+    """Trained to `steps`, or stopped earlier with every training question retired (nothing left to train on): that
+    step logged no fresh question remaining. How far the run got is its last checkpoint's step, or, for a run whose
+    checkpoints were removed after it finished, the step its provenance records it ending at by itself."""
     from exgrpo.runtime.tracking import read_metrics
 
-    done = completed_steps(run_dir)
+    done = finished_steps(run_dir)
     if done >= steps:
         return True
     rows = [m for m in read_metrics(run_dir / "metrics.jsonl") if m["step"] == done] if done else []
     return bool(rows) and rows[-1]["fresh_questions_remaining"] == 0
+
+
+def finished_steps(run_dir: Path) -> int:
+    """The steps the run keeps: its last checkpoint's, or the step it ended at by itself (`ended_step`)."""
+    return max(completed_steps(run_dir), ended_step(run_dir))
 
 
 def completed_steps(run_dir: Path) -> int:
@@ -248,7 +255,8 @@ def run_state(run_dir: Path, steps: int, start_over: str = "--overwrite") -> tup
     last checkpoint and the steps logged (metrics.jsonl); `start_over` is the command that starts it over."""
     done = completed_steps(run_dir)
     if run_complete(run_dir, steps):
-        return True, done, f"complete ({done} steps)"
+        kept = "" if done else "; its checkpoints removed"
+        return True, done, f"complete ({finished_steps(run_dir)} steps{kept})"
     if not run_dir.exists():
         return False, done, "not started"
     logged = last_logged_step(run_dir)
