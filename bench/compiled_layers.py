@@ -44,11 +44,11 @@ def micro_batch(tokenizer, shortest: int, longest: int, terms: int):
     return pack(rows, tokenizer.pad_token_id)
 
 
-def update(model, batch) -> tuple[float, torch.Tensor]:
-    """Seconds of one forward and backward; the completion tokens' log-probs."""
+def update(model, batch, bf16: bool = True) -> tuple[float, torch.Tensor]:
+    """Seconds of one forward and backward (under bf16 autocast, or in fp32); the completion tokens' log-probs."""
     model.zero_grad(set_to_none=True)
     started = time.perf_counter()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         logp, entropy = forward.token_logprobs(model, batch, 1.0, with_entropy=True, prompt_sharing=forward.PACKED)
     (logp.sum() + 1e-3 * entropy.sum()).backward()
     return round(time.perf_counter() - started, 2), logp.detach()

@@ -263,6 +263,23 @@ def test_frozen_lora_base_stored_in_bf16_gives_autocasts_values():
     assert store_frozen_linear_weights(model, torch.bfloat16) == 0
 
 
+def test_bf16_on_a_cpu_without_amx_is_said_to_be_slower(tiny_policy):
+    """Without AMX tiles a CPU multiplies bf16 matrices slower than fp32 ones: the learner says so (and only then)."""
+    import warnings
+
+    from exgrpo.errors import ExgrpoWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _update(tiny_policy[0], LossSettings(), dtype="bf16")
+        _update(tiny_policy[0], LossSettings(), dtype="fp32")
+    said = [str(w.message) for w in caught if issubclass(w.category, ExgrpoWarning)]
+    expected = [] if torch.cpu._is_amx_tile_supported() else [
+        "train.dtype=bf16 on a CPU without AMX: bf16 matrix products are slower than fp32 ones here, so training runs "
+        "slower than with train.dtype=fp32"]
+    assert said == expected
+
+
 def test_bf16_update_logprobs_agree_with_the_fp32_reference(questions):
     """The update's log-probs under train.dtype=bf16 (frozen LoRA base stored in bf16, autocast) stay within 0.05
     nats of the fp32 forward's on every token, and their mean within 0.01 (bf16 keeps 8 bits of mantissa)."""

@@ -306,7 +306,8 @@ class TrainConfig:
     backward), so (tokens x vocabulary) logits never exist at once; null computes them in one go."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """Compute precision: bf16 runs forward and backward in bfloat16 over fp32 master weights and optimizer
-    state (log-probs, ratios and the loss stay fp32); needs model.dtype float32."""
+    state (log-probs, ratios and the loss stay fp32); needs model.dtype float32. Faster on GPUs and on CPUs with
+    AMX; slower on CPUs without it (a warning says so)."""
     activation_checkpointing: bool = resumable(False)
     """Recompute each decoder layer's activations in backward (transformers' gradient checkpointing) instead of
     storing them."""

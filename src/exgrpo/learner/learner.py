@@ -23,7 +23,7 @@ import torch
 
 from exgrpo.config import ExGRPOConfig, TrainConfig, engine_correction_cap
 from exgrpo.runtime.distributed import Distributed
-from exgrpo.errors import TrainingError
+from exgrpo.errors import ExgrpoWarning, TrainingError
 from exgrpo.learner.objective import LossSettings, MicroBatch, merge_stats, mixed_policy_loss
 from exgrpo.learner.forward import PACKED, candidate_scores, packs_rows, token_logprobs
 from exgrpo.runtime.sharding import decoder_layers
@@ -101,6 +101,16 @@ class _MicroResult:
     stats: dict[str, float]
     old_logp: torch.Tensor  # (B, T) pre-update log-probs
     entropy: torch.Tensor  # (B, T) token entropies of the training forward
+
+
+def warn_if_bf16_is_slow_here(model: torch.nn.Module) -> None:
+    """bf16 pays on a CPU with AMX tiles, which multiply bf16 matrices several times faster than fp32 ones; without
+    them (avx512_bf16 alone) bf16 products are the slower ones, and a bf16 update of SmolLM2-135M took 1.4-1.8x as
+    long as an fp32 one (docs/benchmarks.md): say so rather than let `train.dtype=bf16` quietly slow the run."""
+    if next(model.parameters()).device.type == "cpu" and not torch.cpu._is_amx_tile_supported():
+        warnings.warn(ExgrpoWarning("train.dtype=bf16 on a CPU without AMX: bf16 matrix products are slower than "
+                                    "fp32 ones here, so training runs slower than with train.dtype=fp32"),
+                      stacklevel=3)
 
 
 def store_frozen_linear_weights(model: torch.nn.Module, dtype: torch.dtype) -> int:
@@ -188,6 +198,7 @@ class Learner:
         self._autocast = train.dtype == "bf16" and not self.parallel.casts_parameters
         if self._autocast:
             store_frozen_linear_weights(model, torch.bfloat16)
+            warn_if_bf16_is_slow_here(model)
         # rows that share a prompt are packed after it where the model allows (no padding, one forward); else they
         # share its KV cache, which activation checkpointing turns off
         self.prompt_sharing = PACKED if packs_rows(model) else \
