@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import compiled_layers  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from transformers import AttentionInterface  # noqa: E402
@@ -30,7 +32,6 @@ from exgrpo.config import LoraConfig  # noqa: E402
 from exgrpo.learner.forward import pack_rows  # noqa: E402
 from exgrpo.learner.learner import store_frozen_linear_weights  # noqa: E402
 from exgrpo.models import load_policy  # noqa: E402
-from exgrpo.tensors import pack  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "packed_attention.jsonl"
 BLOCKS, REPEATS = "blocks", 3
@@ -70,22 +71,16 @@ def blocks_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 
 def micro_batch(tokenizer, shortest: int, longest: int, terms: int):
-    """6 additions of `terms` terms, each with 8 completions of random tokens and lengths; the packed layout and
-    its segments (one sequence per prompt)."""
-    g, rows, prompt_lengths, completions = torch.Generator().manual_seed(0), [], [], []
-    for q in range(6):
-        text = " + ".join(str(17 * q + 3 + 5 * i) for i in range(terms))
-        prompt = tokenizer(tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"What is {text}? Answer with only the final number."}],
-            add_generation_prompt=True, tokenize=False), add_special_tokens=False).input_ids
-        prompt_lengths.append(len(prompt))
-        start = len(prompt)
-        for _ in range(8):
-            n = int(torch.randint(shortest, longest + 1, (1,), generator=g))
-            rows.append((prompt, torch.randint(100, 40000, (n,), generator=g).tolist(), None))
+    """`compiled_layers.micro_batch` (6 additions, each with 8 completions); the packed layout and its segments (one
+    sequence per prompt: each prompt's length, each completion's prompt, start and length)."""
+    batch = compiled_layers.micro_batch(tokenizer, shortest, longest, terms)
+    prompt_width = batch.input_ids.shape[1] - batch.completion_ids.shape[1]
+    prompt_lengths = batch.attention_mask[::8, :prompt_width].sum(-1).tolist()
+    completions = []
+    for q, start in enumerate(prompt_lengths):
+        for n in batch.completion_mask[8 * q:8 * q + 8].sum(-1).int().tolist():
             completions.append((q, start, n))
             start += n
-    batch = pack(rows, tokenizer.pad_token_id)
     packed = pack_rows(batch.input_ids, batch.attention_mask, batch.completion_ids, batch.completion_mask)
     assert len(packed.input_ids) == 6  # one sequence per prompt, as `segments` says
     return packed, batch.completion_ids[batch.completion_mask.bool()], (prompt_lengths, completions)
