@@ -103,6 +103,14 @@ class _MicroResult:
     entropy: torch.Tensor  # (B, T) token entropies of the training forward
 
 
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer's activations in backward (transformers' gradient checkpointing)."""
+    if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def warn_if_bf16_is_slow_here(model: torch.nn.Module) -> None:
     """bf16 pays on a CPU with AMX tiles, which multiply bf16 matrices several times faster than fp32 ones; without
     them (avx512_bf16 alone) bf16 products are the slower ones, and a bf16 update of SmolLM2-135M took 1.4-1.8x as
@@ -187,10 +195,7 @@ class Learner:
         self.model, self.train, self.K, self.temperature, self.dist = model, train, num_generations, temperature, dist
         self.losses = losses
         if train.activation_checkpointing:
-            if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.2x
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(model)
         self.parallel = parallelism(model, train, dist, loss_scale)
         if train.compile:
             compile_decoder_layers(model)
