@@ -190,13 +190,24 @@ def test_an_arm_named_by_a_word_yaml_reads_as_true_false_or_null_is_refused(tmp_
         load_study(path)
 
 
-def test_a_run_whose_checkpoints_are_gone_is_said_and_started_over_by_the_command_given(tmp_path):
+def _grpo_study(tmp_path, steps: int, eval_every: int):
+    """A one-run study file (GRPO, seed 1, a checkpoint every step) and the study it loads."""
     path = _study(tmp_path, arms={"grpo": {"overrides": ["experience.ratio=0"]}}, seeds=[1], overrides=[
-        "train.steps=2", "train.save_every=1", "eval.every=0", "logging.progress=false", "logging.sample_every=0"])
-    study = load_study(path)
+        f"train.steps={steps}", "train.save_every=1", f"eval.every={eval_every}", "logging.progress=false",
+        "logging.sample_every=0"])
+    return path, load_study(path)
+
+
+def _run_and_remove_checkpoints(study):
     run_study(study, log=lambda m: None)
     run_dir = study.run_dir(study.arm("grpo"), 1)
     shutil.rmtree(run_dir / "checkpoints")
+    return run_dir
+
+
+def test_a_run_whose_checkpoints_are_gone_is_said_and_started_over_by_the_command_given(tmp_path):
+    path, study = _grpo_study(tmp_path, steps=2, eval_every=0)
+    run_dir = _run_and_remove_checkpoints(study)
     _record_a_crash(run_dir)  # a run that finished would be complete without its checkpoints (the next test)
     command = f"`exgrpo experiment run {path} --arms grpo --seeds 1 --overwrite`"
     assert study_status(study) == [f"grpo seed 1: logged to step 2 of 2, but no checkpoint is left: it cannot resume "
@@ -222,22 +233,16 @@ def _record_a_crash(run_dir):
 def test_a_finished_run_whose_checkpoints_are_removed_stays_complete(tmp_path):
     """Its records (metrics, provenance, samples) are what a report reads: a study can keep them and drop the
     checkpoints, and is neither trained again nor refused."""
-    path = _study(tmp_path, arms={"grpo": {"overrides": ["experience.ratio=0"]}}, seeds=[1], overrides=[
-        "train.steps=2", "train.save_every=1", "eval.every=2", "logging.progress=false", "logging.sample_every=0"])
-    study = load_study(path)
-    run_study(study, log=lambda m: None)
-    run_dir = study.run_dir(study.arm("grpo"), 1)
-    shutil.rmtree(run_dir / "checkpoints")
+    _, study = _grpo_study(tmp_path, steps=2, eval_every=2)
+    _run_and_remove_checkpoints(study)
     assert study_status(study) == ["grpo seed 1: complete (2 steps; its checkpoints removed)", "1 of 1 runs complete"]
     said = []
     assert run_study(study, log=said.append) is None
     assert said == ["grpo seed 1: complete (2 steps; its checkpoints removed), skipped"]
     (result,) = load_results(study)
     assert result.evaluations()[-1][0] == 2
-    longer = _study(tmp_path, arms={"grpo": {"overrides": ["experience.ratio=0"]}}, seeds=[1], overrides=[
-        "train.steps=3", "train.save_every=1", "eval.every=2", "logging.progress=false", "logging.sample_every=0"])
-    assert load_study(longer).config(study.arm("grpo"), 1).train.steps == 3
-    assert study_status(load_study(longer))[-1] == "0 of 1 runs complete"  # it ended at step 2, not 3
+    _, longer = _grpo_study(tmp_path, steps=3, eval_every=2)  # the same study file, asking one step more
+    assert study_status(longer)[-1] == "0 of 1 runs complete"  # it ended at step 2, not 3
 
 
 def test_status_says_what_a_run_has_on_disk(tmp_path):
