@@ -39,6 +39,8 @@ for s in $(seq 1 24); do
   for a in $arms; do
     [ -e "$RECORDS/$a/seed-$s/provenance.json" ] && continue
     while pgrep -f "exgrpo experiment run experiments/round-six" > /dev/null; do sleep 20; done
+    # finished by a run this script did not start (an earlier runner's)
+    if finished "$RUNS/$a/seed-$s"; then archive "$a/seed-$s" && echo "=== archived $a seed $s"; continue; fi
     [ -e "$WORKTREE.stop" ] && { echo "=== $(date -u +%FT%TZ) $WORKTREE.stop: no further run"; exit 0; }
     echo "=== $(date -u +%FT%TZ) $a seed $s"
     .venv-vllm/bin/exgrpo experiment run experiments/round-six.yaml --seeds "$s" --arms "$a"
