@@ -113,7 +113,7 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
 
 def warn_if_bf16_is_slow_here(model: torch.nn.Module) -> None:
     """bf16 pays on a CPU with AMX tiles, which multiply bf16 matrices several times faster than fp32 ones; without
-    them (avx512_bf16 alone) bf16 products are the slower ones, and a bf16 update of SmolLM2-135M took 1.4-1.8x as
+    them (avx512_bf16 alone) bf16 products are the slower ones, and a bf16 update of SmolLM2-135M took 1.4-1.75x as
     long as an fp32 one (docs/benchmarks.md): say so rather than let `train.dtype=bf16` quietly slow the run."""
     if next(model.parameters()).device.type == "cpu" and not torch.cpu._is_amx_tile_supported():
         warnings.warn(ExgrpoWarning("train.dtype=bf16 on a CPU without AMX: bf16 matrix products are slower than "
