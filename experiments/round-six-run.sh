@@ -34,18 +34,21 @@ archive() {  # $1 = ARM/seed-S
   mv "$RECORDS/.partial" "$RECORDS/$1" &&
   mkdir -p "$RECORDS/initial" && cp -n "$RUNS"/initial/*.json "$RECORDS/initial/"
 }
+archive_if_finished() {  # $1 = ARM, $2 = seed
+  finished "$RUNS/$1/seed-$2" && archive "$1/seed-$2" && echo "=== archived $1 seed $2"
+}
 for s in $(seq 1 24); do
   if [ "$s" -le 16 ]; then arms="grpo exgrpo grpo-skip"; else arms="grpo exgrpo"; fi
   for a in $arms; do
     [ -e "$RECORDS/$a/seed-$s/provenance.json" ] && continue
     while pgrep -f "exgrpo experiment run experiments/round-six" > /dev/null; do sleep 20; done
     # finished by a run this script did not start (an earlier runner's)
-    if finished "$RUNS/$a/seed-$s"; then archive "$a/seed-$s" && echo "=== archived $a seed $s"; continue; fi
+    archive_if_finished "$a" "$s" && continue
     [ -e "$WORKTREE.stop" ] && { echo "=== $(date -u +%FT%TZ) $WORKTREE.stop: no further run"; exit 0; }
     echo "=== $(date -u +%FT%TZ) $a seed $s"
     .venv-vllm/bin/exgrpo experiment run experiments/round-six.yaml --seeds "$s" --arms "$a"
     rc=$?
-    if finished "$RUNS/$a/seed-$s"; then archive "$a/seed-$s" && echo "=== archived $a seed $s"; fi
+    archive_if_finished "$a" "$s"
     [ $rc -eq 0 ] || { echo "=== $a seed $s rc=$rc: stopping"; exit 1; }
   done
 done
