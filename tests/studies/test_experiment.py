@@ -594,7 +594,7 @@ def test_runs_record_when_and_which_code_ran_them_and_the_report_flags_mixed_cod
 
 
 def test_the_report_warns_of_a_dirty_tree_and_counts_zero_advantage_steps():
-    from exgrpo.studies.report import code_warning, provenance_summary, zero_advantage_steps
+    from exgrpo.studies.report import code_warning, provenance_summary, provenance_table, zero_advantage_steps
 
     def session(commit: str, dirty: bool) -> dict:
         git = {"checkout": "/c", "commit": commit, "dirty": dirty, "changes": [" M x.py"] if dirty else []}
@@ -621,3 +621,6 @@ def test_the_report_warns_of_a_dirty_tree_and_counts_zero_advantage_steps():
     for m, n in zip(run.history, (2, 1, 2, 0)):
         m["zero_advantage_steps"] = float(n)
     assert zero_advantage_steps(run) == 5
+    assert provenance_table({"g": [run]}, ["g"], {"g/seed-1": []})[-1].endswith("| 5 applied |")
+    run.config = config_from_dict({"train": {"mini_batches": 2, "zero_advantage_steps": "skip"}})
+    assert provenance_table({"g": [run]}, ["g"], {"g/seed-1": []})[-1].endswith("| 5 skipped |")

@@ -290,18 +290,20 @@ def zero_advantage_steps(run: RunResult) -> int | None:
 def provenance_table(arms: dict[str, list[RunResult]], names: list[str], sessions: dict[str, list[dict]]
                      ) -> list[str]:
     """One row per run: its sessions (a start and every resume), when the first started and the last ended, the
-    code of each, and its optimizer steps whose advantages were all 0."""
+    code of each, and its optimizer steps whose advantages were all 0: applied on the entropy bonus alone, or skipped
+    (`train.zero_advantage_steps` skip)."""
     lines = ["| run | sessions | started | ended | code | optimizer steps with every advantage 0 |",
              "|---|---:|---|---|---|---:|"]
     for name in names:
         for r in arms[name]:
             recorded = sessions[f"{name}/seed-{r.seed}"]
             zero = zero_advantage_steps(r)
+            fate = "skipped" if r.config.train.zero_advantage_steps == "skip" else "applied"
             ended = (recorded[-1]["ended"] or "no end recorded (killed or crashed)") if recorded else NOT_RECORDED
             started = recorded[0]["started"] if recorded else NOT_RECORDED
             code = " / ".join(dict.fromkeys(code_label(s["code"]) for s in recorded)) or NOT_RECORDED
             lines.append(f"| {name}/seed-{r.seed} | {len(recorded)} | {started} | {ended} | {code} | "
-                         f"{'—' if zero is None else zero} |")
+                         f"{'—' if zero is None else f'{zero} {fate}'} |")
     return lines
 
 
