@@ -130,9 +130,8 @@ def start_point(config: ExGRPOConfig, resume: bool, log: Callable[[str], None] =
     Fresh (`resume` false): the directory must not hold another run unless logging.overwrite. Resume: the newest
     intact checkpoint (broken newer ones are reported); none at all but a run that died before its first
     checkpoint: start it again from step 0; only broken ones, or a history past a checkpoint that is gone: an
-    error. A config that changes the algorithm
-    relative to the checkpoint's is refused with the differing fields; harmless changes are logged. `start_over`
-    is how the command that resumes starts a run over, for its errors.
+    error. A config that changes the algorithm relative to the checkpoint's is refused with the differing fields;
+    harmless changes are logged. `start_over` is how the command that resumes starts a run over, for its errors.
     """
     directory = config.logging.output_dir
     main = launched_rank() == 0  # under data parallelism rank 0 owns the directory; the others only read it
